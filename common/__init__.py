@@ -1,0 +1,1 @@
+"""Code shared by router and worker: configuration, generated protobuf code, tracing, metrics."""

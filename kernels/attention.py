@@ -1,0 +1,64 @@
+"""Paged attention for mixed prefill/decode batches (reference + dispatch).
+
+Layout of one step's batch: queries of all sequences are flattened into `q[num_tokens,
+num_heads, head_dim]`, sequence `s` owning rows `query_start_loc[s]:query_start_loc[s+1]`.
+Its keys and values live in the paged pool `k_cache/v_cache[num_blocks, block_size,
+num_kv_heads, head_dim]`, addressed through `block_tables[s]`; `seq_lens[s]` counts every
+token of the sequence including this step's queries (already written to the pool), so the
+queries sit at positions `seq_lens[s] - q_len(s) ... seq_lens[s] - 1` and attend causally.
+"""
+
+import torch
+import torch.nn.functional as F
+
+
+def paged_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """Gathers each sequence's context into a padded batch and runs masked SDPA."""
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    num_seqs = seq_lens.shape[0]
+    device = q.device
+
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    q_offsets = torch.arange(max_query_len, device=device)
+    q_valid = q_offsets[None, :] < q_lens[:, None]                       # [S, Q]
+    q_index = (query_start_loc[:-1, None] + q_offsets[None, :]).clamp(max=num_tokens - 1)
+    q_pad = q[q_index].transpose(1, 2)                                   # [S, H, Q, D]
+
+    num_ctx_blocks = (max_seq_len + block_size - 1) // block_size
+    slot_offsets = torch.arange(block_size, device=device)
+    slots = block_tables[:, :num_ctx_blocks, None].long() * block_size + slot_offsets
+    slots = slots.reshape(num_seqs, -1)[:, :max_seq_len]                 # [S, L]
+    k = k_cache.view(-1, num_kv_heads, head_dim)[slots].transpose(1, 2)  # [S, KVH, L, D]
+    v = v_cache.view(-1, num_kv_heads, head_dim)[slots].transpose(1, 2)
+
+    key_pos = torch.arange(max_seq_len, device=device)
+    query_pos = (seq_lens - q_lens)[:, None] + q_offsets[None, :]        # [S, Q]
+    mask = (key_pos[None, None, :] <= query_pos[:, :, None]) & (
+        key_pos[None, None, :] < seq_lens[:, None, None]
+    )                                                                    # [S, Q, L]
+    out = F.scaled_dot_product_attention(
+        q_pad, k.to(q.dtype), v.to(q.dtype), attn_mask=mask[:, None], scale=scale,
+        enable_gqa=num_heads != num_kv_heads,
+    )                                                                    # [S, H, Q, D]
+    return out.transpose(1, 2)[q_valid]                                  # [T, H, D]
+
+
+def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                    max_query_len: int, max_seq_len: int, scale: float) -> torch.Tensor:
+    if q.is_cuda:
+        from .triton_attention import paged_attention_triton
+        return paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens,
+                                      query_start_loc, max_query_len, max_seq_len, scale)
+    return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                               max_query_len, max_seq_len, scale)

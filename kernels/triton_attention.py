@@ -1,0 +1,318 @@
+"""Triton paged attention for mixed prefill/decode batches (meaning: `paged_attention_ref`).
+
+The sequences of a step are told apart at run time, on the device, by their query length:
+
+* single-query sequences (decodes) go to `_decode_kernel`, one program per (sequence, KV
+  head, split of the context). Long contexts are split so that even a modest batch of
+  decodes fills every SM; `_reduce_kernel` then merges the splits by their log-sum-exp.
+* longer ones (prefill chunks, with or without earlier context in the pool) go to
+  `_prefill_kernel`, FlashAttention-style: one program per tile of query tokens and KV
+  head, key tiles above the causal diagonal never visited.
+
+Both pack the query heads that share a KV head as rows of one tile, so each K/V tile is
+read from memory once per group. Grids depend on shapes and on the python ints
+`max_query_len` / `max_seq_len` only, never on tensor values, so a step can be captured in
+a CUDA graph (the caller then passes upper bounds for the two ints).
+"""
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Tile shapes and launch parameters; `None` fields are picked from the batch."""
+
+    decode_block_n: int = 64
+    decode_num_warps: int = 4
+    decode_num_stages: int = 3
+    num_splits: int | None = None
+    prefill_block_m: int | None = None  # query rows (tokens x group heads) per program
+    prefill_block_n: int = 64
+    prefill_num_warps: int | None = None
+    prefill_num_stages: int = 2
+
+
+# Enough programs for every SM to keep several tiles of K/V in flight.
+_DECODE_PROGRAMS_PER_SM = 8
+# A split shorter than this spends more on its partial result than on reading K/V.
+_MIN_TOKENS_PER_SPLIT = 256
+
+
+@triton.jit
+def _attend(acc, m_i, l_i, q, q_pos, k_cache, v_cache, block_table, kv_head, lo, hi,
+            qk_scale, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+            BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+            MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Online-softmax update of (acc, m_i, l_i) with keys `lo <= key < hi` of one sequence.
+
+    Scores are kept in the log2 domain (`qk_scale` includes log2(e)). With MASKED, keys
+    past `hi` or after a row's query position are hidden; without it the caller promises
+    that every key in range is visible to every row and `hi - lo` is a multiple of BLOCK_N.
+    """
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    for start in range(lo, hi, BLOCK_N):
+        keys = start + offs_n
+        in_range = keys < hi
+        if MASKED:
+            blocks = tl.load(block_table + keys // BLOCK_SIZE, mask=in_range, other=0)
+        else:
+            blocks = tl.load(block_table + keys // BLOCK_SIZE)
+        blocks = blocks.to(tl.int64)
+        k_rows = blocks * stride_kb + (keys % BLOCK_SIZE) * stride_kt + kv_head * stride_kh
+        v_rows = blocks * stride_vb + (keys % BLOCK_SIZE) * stride_vt + kv_head * stride_vh
+        if MASKED:
+            # Masked V rows must read as zeros: the pool may hold NaNs where nothing was
+            # written, and 0 * NaN would poison the accumulator.
+            k = tl.load(k_cache + k_rows[:, None] + offs_d[None, :], mask=in_range[:, None],
+                        other=0.0)
+            v = tl.load(v_cache + v_rows[:, None] + offs_d[None, :], mask=in_range[:, None],
+                        other=0.0)
+        else:
+            k = tl.load(k_cache + k_rows[:, None] + offs_d[None, :])
+            v = tl.load(v_cache + v_rows[:, None] + offs_d[None, :])
+
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
+        if MASKED:
+            visible = (keys[None, :] <= q_pos[:, None]) & in_range[None, :]
+            s = tl.where(visible, s, float("-inf"))
+        # Every row sees at least one key in the first tile it visits (callers start at or
+        # below the lowest query position), so m_new is finite and no NaN arises here.
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
+                                            input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _decode_kernel(out, part_out, part_lse, q, k_cache, v_cache, block_tables, seq_lens,
+                   query_start_loc, qk_scale,
+                   stride_qt, stride_qh, stride_ot, stride_oh,
+                   stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
+                   NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                   NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    q_start = tl.load(query_start_loc + seq)
+    q_len = tl.load(query_start_loc + seq + 1) - q_start
+    if q_len != 1:
+        return
+    seq_len = tl.load(seq_lens + seq)
+
+    # Splits are cut from the actual length, so a bound passed as max_seq_len costs nothing.
+    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, seq_len)
+
+    rows = tl.arange(0, BLOCK_G)
+    heads = kv_head * GROUP + rows
+    row_ok = rows < GROUP
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_tile = tl.load(q + q_start * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                     mask=row_ok[:, None], other=0.0)
+    q_pos = tl.full([BLOCK_G], 0, tl.int32) + seq_len - 1
+
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc, m_i, l_i = _attend(acc, m_i, l_i, q_tile, q_pos, k_cache, v_cache,
+                            block_tables + seq.to(tl.int64) * stride_bt, kv_head, lo, hi,
+                            qk_scale, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+                            stride_vh, BLOCK_SIZE, BLOCK_N, HEAD_DIM, True, DOT_PRECISION)
+
+    # An empty split (short sequence) leaves l_i = 0, m_i = -inf: it reports lse = -inf and
+    # weighs nothing in the reduction.
+    l_i = tl.where(l_i > 0, l_i, 1.0)
+    acc = acc / l_i[:, None]
+    if NUM_SPLITS == 1:
+        tl.store(out + q_start * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                 acc.to(out.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        part = (seq * NUM_HEADS + heads) * NUM_SPLITS + split
+        tl.store(part_out + part[:, None] * HEAD_DIM + offs_d[None, :], acc,
+                 mask=row_ok[:, None])
+        tl.store(part_lse + part, m_i + tl.log2(l_i), mask=row_ok)
+
+
+@triton.jit
+def _reduce_kernel(out, part_out, part_lse, query_start_loc, stride_ot, stride_oh,
+                   NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   NUM_SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    q_start = tl.load(query_start_loc + seq)
+    if tl.load(query_start_loc + seq + 1) - q_start != 1:
+        return
+    splits = tl.arange(0, BLOCK_SPLITS)
+    offs_d = tl.arange(0, HEAD_DIM)
+    part = (seq * NUM_HEADS + head) * NUM_SPLITS + splits
+    lse = tl.load(part_lse + part, mask=splits < NUM_SPLITS, other=float("-inf"))
+    weight = tl.exp2(lse - tl.max(lse, 0))
+    partial = tl.load(part_out + part[:, None] * HEAD_DIM + offs_d[None, :],
+                      mask=(splits < NUM_SPLITS)[:, None], other=0.0)
+    result = tl.sum(partial * weight[:, None], 0) / tl.sum(weight, 0)
+    tl.store(out + q_start * stride_ot + head * stride_oh + offs_d, result.to(out.dtype.element_ty))
+
+
+@triton.jit
+def _find_sequence(query_start_loc, tile, num_seqs, BLOCK_Q: tl.constexpr):
+    """The sequence owning query tile `tile`; sequence s owns tiles from
+    `query_start_loc[s] // BLOCK_Q + s`, a numbering that gives every sequence at least
+    as many tiles as it needs and totals at most `num_tokens // BLOCK_Q + num_seqs`."""
+    lo: tl.int32 = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(query_start_loc + mid) // BLOCK_Q + mid <= tile:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _prefill_kernel(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                    qk_scale, num_seqs,
+                    stride_qt, stride_qh, stride_ot, stride_oh,
+                    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
+                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr):
+    # Tiles run last-first: late tiles of a sequence attend to the most keys, and starting
+    # the longest work first shortens the tail of the launch.
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = _find_sequence(query_start_loc, tile, num_seqs, BLOCK_Q)
+    q_start = tl.load(query_start_loc + seq)
+    q_len = tl.load(query_start_loc + seq + 1) - q_start
+    q_tile = tile - (q_start // BLOCK_Q + seq)
+    if (q_len <= 1) | (q_tile * BLOCK_Q >= q_len):
+        return
+    seq_len = tl.load(seq_lens + seq)
+    ctx_len = seq_len - q_len
+
+    # Row r of the tile is query token r // GROUP_PAD with head r % GROUP_PAD of the group.
+    rows = tl.arange(0, BLOCK_Q * GROUP_PAD)
+    tok = q_tile * BLOCK_Q + rows // GROUP_PAD
+    heads = kv_head * GROUP + rows % GROUP_PAD
+    row_ok = (tok < q_len) & (rows % GROUP_PAD < GROUP)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_offs = (q_start + tok).to(tl.int64)[:, None] * stride_qt + heads[:, None] * stride_qh
+    q_tile_v = tl.load(q + q_offs + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    q_pos = ctx_len + tok
+
+    acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM], tl.float32)
+    m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
+    block_table = block_tables + seq.to(tl.int64) * stride_bt
+    # Keys up to the tile's first query position are visible to every row: whole key
+    # tiles below it run unmasked, the few straddling the diagonal masked, none above it.
+    first_pos = ctx_len + q_tile * BLOCK_Q
+    diag_lo = (first_pos + 1) // BLOCK_N * BLOCK_N
+    diag_hi = ctx_len + tl.minimum((q_tile + 1) * BLOCK_Q, q_len)
+    acc, m_i, l_i = _attend(acc, m_i, l_i, q_tile_v, q_pos, k_cache, v_cache, block_table,
+                            kv_head, 0, diag_lo, qk_scale, stride_kb, stride_kt, stride_kh,
+                            stride_vb, stride_vt, stride_vh, BLOCK_SIZE, BLOCK_N, HEAD_DIM,
+                            False, DOT_PRECISION)
+    acc, m_i, l_i = _attend(acc, m_i, l_i, q_tile_v, q_pos, k_cache, v_cache, block_table,
+                            kv_head, diag_lo, diag_hi, qk_scale, stride_kb, stride_kt,
+                            stride_kh, stride_vb, stride_vt, stride_vh, BLOCK_SIZE, BLOCK_N,
+                            HEAD_DIM, True, DOT_PRECISION)
+
+    o_offs = (q_start + tok).to(tl.int64)[:, None] * stride_ot + heads[:, None] * stride_oh
+    tl.store(out + o_offs + offs_d[None, :], (acc / l_i[:, None]).to(out.dtype.element_ty),
+             mask=row_ok[:, None])
+
+
+_num_sms_cache: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the CPU interpreter: keep a few splits so tests exercise the reduction
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _num_sms_cache:
+        _num_sms_cache[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _num_sms_cache[index]
+
+
+def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int,
+                      device: torch.device) -> int:
+    """How many pieces each decode's context is cut into; a function of python ints only."""
+    programs = num_seqs * num_kv_heads
+    wanted = triton.cdiv(_DECODE_PROGRAMS_PER_SM * _num_sms(device), max(programs, 1))
+    return max(1, min(wanted, triton.cdiv(max_seq_len, _MIN_TOKENS_PER_SPLIT)))
+
+
+def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                           query_start_loc: torch.Tensor, max_query_len: int,
+                           max_seq_len: int, scale: float,
+                           config: AttentionConfig | None = None) -> torch.Tensor:
+    """Same arguments and result as `paged_attention_ref`, returned as `[num_tokens, ...]`.
+
+    Rows of tokens past `query_start_loc[-1]` (batch padding) are left unwritten.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    num_seqs = seq_lens.shape[0]
+    assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, "head_dim must be a power of two"
+    assert num_heads % num_kv_heads == 0
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    cfg = config or AttentionConfig()
+    group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    qk_scale = scale * 1.4426950408889634  # log2(e): the kernels use exp2
+    dot_precision = "tf32x3" if q.dtype == torch.float32 else "tf32"
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    pool_strides = (*k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0))
+
+    num_splits = cfg.num_splits or decode_num_splits(num_seqs, num_kv_heads, max_seq_len,
+                                                     q.device)
+    part_out = part_lse = out  # placeholders: unused when there is a single split
+    if num_splits > 1:
+        part_out = torch.empty((num_seqs, num_heads, num_splits, head_dim),
+                               dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32,
+                               device=q.device)
+    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        out, part_out, part_lse, q, k_cache, v_cache, block_tables, seq_lens,
+        query_start_loc, qk_scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        *pool_strides,
+        NUM_HEADS=num_heads, GROUP=group, BLOCK_G=max(16, group_pad), HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size, BLOCK_N=cfg.decode_block_n, NUM_SPLITS=num_splits,
+        DOT_PRECISION=dot_precision, num_warps=cfg.decode_num_warps,
+        num_stages=cfg.decode_num_stages)
+    if num_splits > 1:
+        _reduce_kernel[(num_seqs, num_heads)](
+            out, part_out, part_lse, query_start_loc, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+            BLOCK_SPLITS=triton.next_power_of_2(num_splits))
+
+    if max_query_len > 1:
+        block_m = cfg.prefill_block_m
+        if block_m is None:
+            # Short chunks get smaller tiles, so fewer rows are padding.
+            block_m = 64 if max_query_len * group_pad <= 64 or head_dim > 128 else 128
+        block_m = max(block_m, group_pad)
+        block_q = block_m // group_pad
+        _prefill_kernel[(num_tokens // block_q + num_seqs, num_kv_heads)](
+            out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, qk_scale,
+            num_seqs, q.stride(0), q.stride(1), out.stride(0), out.stride(1), *pool_strides,
+            GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_DIM=head_dim,
+            BLOCK_SIZE=block_size, BLOCK_N=cfg.prefill_block_n, DOT_PRECISION=dot_precision,
+            num_warps=cfg.prefill_num_warps or (8 if block_m >= 128 else 4),
+            num_stages=cfg.prefill_num_stages)
+    return out

@@ -1,0 +1,1 @@
+"""The stateless front of pagedserve: public API, admission, balancing, detokenization."""

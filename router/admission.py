@@ -1,0 +1,277 @@
+"""Admission control: per-worker token budgets, a cap on concurrency, a bounded FIFO queue.
+
+Each worker offers a budget of kv_capacity_tokens × overcommit tokens. A request reserves
+(prompt + max_tokens) × n of them on the worker it is placed on, for as long as it runs: the
+most KV it could ever need. An overcommit above 1 bets that requests seldom reach max_tokens;
+when the bet is lost the worker preempts, it does not fail.
+
+A request that fits nowhere waits in a queue bounded in length (max_queue_len) and in time
+(max_wait_s); past either bound it fails with Overloaded, which carries a retry-after hint.
+
+Fairness is strict FIFO: a request is placed only once every request queued before it has been
+placed or has given up, and a newcomer queues behind waiters even when it would fit right now.
+A large request at the head is therefore never starved by a stream of small ones that each fit;
+the price is that small requests behind it wait (head-of-line blocking) until room frees up for
+it, which the max_wait_s bound keeps finite.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+
+class AdmissionError(Exception):
+    """A request could not be admitted."""
+
+
+class Overloaded(AdmissionError):
+    """The queue is full, or the request waited too long (RESOURCE_EXHAUSTED / HTTP 429)."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(f"{message}; retry in about {retry_after_s:.0f} s")
+        self.retry_after_s = retry_after_s
+
+
+class NoWorkers(AdmissionError):
+    """No worker accepts requests (UNAVAILABLE / HTTP 503)."""
+
+
+class RequestTooLarge(AdmissionError):
+    """The request needs more tokens than any worker's whole budget (INVALID_ARGUMENT)."""
+
+
+def reservation_tokens(prompt_tokens: int, max_tokens: int, n: int = 1) -> int:
+    """Tokens a request reserves: the most KV its n choices could fill."""
+    return (prompt_tokens + max_tokens) * n
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    """Limits of admission control."""
+
+    overcommit: float = 1.0             # budget = KV capacity in tokens × overcommit
+    max_concurrent_requests: int = 1024  # admitted and not yet released, over all workers
+    max_queue_len: int = 256            # requests waiting to be admitted
+    max_wait_s: float = 30.0            # longest a request waits before Overloaded
+
+
+@dataclass(eq=False)
+class WorkerBudget:
+    """One worker's token budget, as admission sees it."""
+
+    worker_id: str
+    capacity_tokens: int
+    accepting: bool = True  # False while the worker drains or is not ready
+    reserved_tokens: int = 0
+    num_requests: int = 0
+
+    @property
+    def free_tokens(self) -> int:
+        return self.capacity_tokens - self.reserved_tokens
+
+
+# Picks the worker for a request among those it fits on (never empty); None declines them all.
+WorkerChooser = Callable[[list[WorkerBudget]], WorkerBudget | None]
+
+
+@dataclass(eq=False)
+class Reservation:
+    """Tokens held on one worker for one admitted request, until release()."""
+
+    tokens: int
+    worker: WorkerBudget
+    _admission: Admission = field(repr=False)
+    _admitted_at: float = field(default_factory=time.monotonic, repr=False)
+    released: bool = False
+
+    @property
+    def worker_id(self) -> str:
+        return self.worker.worker_id
+
+    def release(self) -> None:
+        """Gives the tokens back. Idempotent."""
+        self._admission._release(self)
+
+    def move_to(self, worker_id: str) -> None:
+        """Moves the reservation to another worker (migration), even past its budget: a request
+        already running must not queue behind new ones."""
+        self._admission._move(self, worker_id)
+
+
+@dataclass(eq=False)
+class _Waiter:
+    tokens: int
+    choose: WorkerChooser
+    granted: asyncio.Future[Reservation]
+
+
+class Admission:
+    """Admits requests onto workers within their token budgets; see the module docstring.
+
+    Not thread-safe: use it from one event loop.
+    """
+
+    # Weight of the newest sample in the running mean of how long requests hold reservations.
+    _HOLD_TIME_SMOOTHING = 0.1
+
+    def __init__(self, config: AdmissionConfig = AdmissionConfig()) -> None:
+        self.config = config
+        self._workers: dict[str, WorkerBudget] = {}
+        self._queue: deque[_Waiter] = deque()
+        self._num_admitted = 0
+        self._mean_hold_s = 1.0  # until the first release says otherwise
+
+    @property
+    def workers(self) -> list[WorkerBudget]:
+        return list(self._workers.values())
+
+    @property
+    def num_admitted(self) -> int:
+        return self._num_admitted
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._queue)
+
+    def set_worker(self, worker_id: str, kv_capacity_tokens: int, accepting: bool = True) -> None:
+        """Adds a worker, or updates its capacity and whether it accepts requests."""
+        capacity = int(kv_capacity_tokens * self.config.overcommit)
+        worker = self._workers.get(worker_id)
+        if worker is None:
+            self._workers[worker_id] = WorkerBudget(worker_id, capacity, accepting)
+        else:
+            worker.capacity_tokens, worker.accepting = capacity, accepting
+        self._admit_waiters()
+
+    def remove_worker(self, worker_id: str) -> None:
+        """Forgets a worker. Reservations still on it hold nothing until moved or released."""
+        self._workers.pop(worker_id, None)
+
+    async def reserve(self, tokens: int, choose: WorkerChooser) -> Reservation:
+        """Reserves tokens on a worker picked by `choose`, waiting in the queue if need be.
+
+        Raises NoWorkers, RequestTooLarge or Overloaded. Cancelling the caller while it waits
+        leaves nothing reserved.
+        """
+        if tokens < 1:
+            raise ValueError(f"tokens={tokens} must be >= 1")
+        accepting = [w for w in self._workers.values() if w.accepting]
+        if not accepting:
+            raise NoWorkers("no worker is ready to accept requests")
+        largest = max(w.capacity_tokens for w in accepting)
+        if tokens > largest:
+            raise RequestTooLarge(f"the request needs {tokens} tokens (prompt + max_tokens, "
+                                  f"times n) but a worker holds at most {largest}")
+        if not self._queue:
+            reservation = self._place(tokens, choose)
+            if reservation is not None:
+                return reservation
+        if len(self._queue) >= self.config.max_queue_len:
+            raise Overloaded(f"{len(self._queue)} requests are already waiting",
+                             self._retry_after_s())
+
+        loop = asyncio.get_running_loop()
+        waiter = _Waiter(tokens, choose, loop.create_future())
+        self._queue.append(waiter)
+        deadline = loop.call_later(self.config.max_wait_s, self._expire, waiter)
+        try:
+            return await waiter.granted
+        except BaseException:
+            # Cancelled after being granted but before resuming: the reservation is ours to free.
+            granted = waiter.granted
+            if granted.done() and not granted.cancelled() and granted.exception() is None:
+                granted.result().release()
+            self._leave_queue(waiter)
+            raise
+        finally:
+            deadline.cancel()
+
+    @contextlib.asynccontextmanager
+    async def admit(self, tokens: int, choose: WorkerChooser) -> AsyncIterator[Reservation]:
+        """`async with admission.admit(...) as reservation:` reserves, and always releases."""
+        reservation = await self.reserve(tokens, choose)
+        try:
+            yield reservation
+        finally:
+            reservation.release()
+
+    def _place(self, tokens: int, choose: WorkerChooser) -> Reservation | None:
+        if self._num_admitted >= self.config.max_concurrent_requests:
+            return None
+        fits = [w for w in self._workers.values() if w.accepting and w.free_tokens >= tokens]
+        worker = choose(fits) if fits else None
+        if worker is None:
+            return None
+        worker.reserved_tokens += tokens
+        worker.num_requests += 1
+        self._num_admitted += 1
+        return Reservation(tokens, worker, self)
+
+    def _admit_waiters(self) -> None:
+        """Places waiters from the head of the queue for as long as the head fits."""
+        while self._queue:
+            waiter = self._queue[0]
+            if waiter.granted.done():  # cancelled; its task has yet to clean up
+                self._queue.popleft()
+                continue
+            try:
+                reservation = self._place(waiter.tokens, waiter.choose)
+            except Exception as error:  # a broken chooser fails its own request, not a release
+                self._queue.popleft()
+                waiter.granted.set_exception(error)
+                continue
+            if reservation is None:
+                return
+            self._queue.popleft()
+            waiter.granted.set_result(reservation)
+
+    def _expire(self, waiter: _Waiter) -> None:
+        if waiter.granted.done():
+            return
+        self._leave_queue(waiter)
+        waiter.granted.set_exception(Overloaded(
+            f"no worker had room within max_wait_s={self.config.max_wait_s:g}",
+            self._retry_after_s()))
+
+    def _leave_queue(self, waiter: _Waiter) -> None:
+        try:
+            self._queue.remove(waiter)
+        except ValueError:
+            return  # granted or expired already
+        self._admit_waiters()  # the head may have changed, and the new one may fit
+
+    def _release(self, reservation: Reservation) -> None:
+        if reservation.released:
+            return
+        reservation.released = True
+        reservation.worker.reserved_tokens -= reservation.tokens
+        reservation.worker.num_requests -= 1
+        self._num_admitted -= 1
+        held_s = time.monotonic() - reservation._admitted_at
+        self._mean_hold_s += self._HOLD_TIME_SMOOTHING * (held_s - self._mean_hold_s)
+        self._admit_waiters()
+
+    def _move(self, reservation: Reservation, worker_id: str) -> None:
+        if reservation.released:
+            raise ValueError("cannot move a released reservation")
+        target = self._workers.get(worker_id)
+        if target is None:
+            raise ValueError(f"unknown worker {worker_id!r}")
+        source = reservation.worker
+        source.reserved_tokens -= reservation.tokens
+        source.num_requests -= 1
+        target.reserved_tokens += reservation.tokens
+        target.num_requests += 1
+        reservation.worker = target
+        self._admit_waiters()
+
+    def _retry_after_s(self) -> float:
+        """Roughly when a request arriving now would get in: the queue ahead of it drains at
+        about (requests admitted / mean hold time) requests per second."""
+        drain_rate = max(self._num_admitted, 1) / max(self._mean_hold_s, 1e-3)
+        return min(max((len(self._queue) + 1) / drain_rate, 1.0), 60.0)

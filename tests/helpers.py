@@ -1,0 +1,43 @@
+"""Small helpers shared by the tests."""
+
+from worker.engine import LLMEngine
+from worker.sampling_params import SamplingParams
+
+LONG_STORY = (
+    "The lighthouse keeper climbed the spiral stairs every evening at dusk, counting each of the "
+    "two hundred and twelve steps aloud. His grandfather had kept the same light, and his mother "
+    "after that, and the logbook on the desk held their handwriting in faded inks of blue and "
+    "brown. Ships passed less often now; most carried their own lights and maps that spoke. Still "
+    "he polished the great lens, trimmed the wick of the old backup lamp, and wrote the weather "
+    "in the book: wind from the north-west, sea moderate, visibility good. One night in October a "
+    "small boat with no lights at all came around the point, rowing hard against the tide, and "
+    "the keeper watched it through the telescope until it reached the shelter of the cove. ")
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "<|im_start|>user\nWhat is the boiling point of water?<|im_end|>\n<|im_start|>assistant\n",
+    "Once upon a time, in a small village by the sea,",
+    "1, 2, 3, 4, 5,",
+    "La vie est belle parce que",
+    LONG_STORY[:400] + "What happened next?",     # several blocks
+    LONG_STORY * 2 + "Summarize the story:",        # longer than the test step budget
+]
+
+
+def generate(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+             priorities: list[int] | None = None) -> dict[str, list[list[int]]]:
+    """Submits every prompt at once and steps to the end: request id -> tokens of each choice."""
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    results: dict[str, list[list[int]]] = {}
+    for i, (ids, p) in enumerate(zip(prompts, params)):
+        engine.add_request(f"r{i}", ids, p, priority=(priorities or [0] * len(prompts))[i])
+        results[f"r{i}"] = [[] for _ in range(p.n)]
+    while engine.has_unfinished():
+        for out in engine.step():
+            results[out.request_id][out.index] += out.new_token_ids
+    return results
+
+
+def greedy(max_tokens: int = 24, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)

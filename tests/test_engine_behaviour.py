@@ -1,0 +1,196 @@
+"""Engine behaviour on the real SmolLM2: block accounting, aborts, sampling, limits."""
+
+import pytest
+from helpers import LONG_STORY, PROMPTS, generate, greedy
+
+from worker.engine import choice_seed
+from worker.sampling_params import InvalidRequest, SamplingParams
+from worker.sequence import FinishReason
+
+
+@pytest.fixture(scope="module")
+def ids(smollm_tokenizer):
+    return [smollm_tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
+
+
+@pytest.fixture
+def engine(make_engine):
+    return make_engine(max_num_batched_tokens=64, num_blocks=128)
+
+
+def sampled(seed: int | None, **kw) -> SamplingParams:
+    return SamplingParams(temperature=1.0, top_p=0.95, max_tokens=12, seed=seed, **kw)
+
+
+def test_every_block_is_free_after_all_requests_finish(engine, ids):
+    generate(engine, ids, greedy(8))
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+    assert not engine.requests
+
+
+def test_abort_mid_prefill_frees_blocks(engine, ids):
+    long = max(ids, key=len)
+    engine.add_request("long", long, greedy(8))
+    engine.step()                                     # first 64-token chunk only
+    seq = engine.requests["long"][0]
+    assert 0 < seq.num_computed < len(long)
+    assert engine.abort("long")
+    assert engine.blocks.num_free == engine.blocks.num_blocks and not engine.has_unfinished()
+
+
+def test_abort_mid_decode_frees_blocks_and_spares_others(engine, ids):
+    engine.add_request("a", ids[0], greedy(30))
+    engine.add_request("b", ids[1], greedy(6))
+    tokens_b = []
+    for _ in range(3):
+        tokens_b += [t for o in engine.step() if o.request_id == "b" for t in o.new_token_ids]
+    assert engine.requests["a"][0].num_output > 0
+    engine.abort("a")
+    while engine.has_unfinished():
+        tokens_b += [t for o in engine.step() for t in o.new_token_ids]
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+    assert len(tokens_b) == 6
+
+
+def test_abort_of_unknown_request_returns_false(engine):
+    assert engine.abort("nope") is False
+
+
+def test_seeded_sampling_reproducible_across_runs_and_batch_company(make_engine, ids):
+    alone = generate(make_engine(), [ids[3]], sampled(1234))["r0"]
+    again = generate(make_engine(), [ids[3]], sampled(1234))["r0"]
+    crowd = generate(make_engine(max_num_batched_tokens=32), [ids[0], ids[3], ids[5]],
+                     [sampled(None), sampled(1234), sampled(7)])["r1"]
+    assert alone == again == crowd
+
+
+def test_different_seeds_give_different_samples(engine, ids):
+    out = generate(engine, [ids[3]] * 2, [sampled(1), sampled(2)])
+    assert out["r0"] != out["r1"]
+
+
+def test_seeded_output_unchanged_by_preemption(make_engine, ids):
+    reference = generate(make_engine(), ids, sampled(99))
+    tight = make_engine(max_num_batched_tokens=128, num_blocks=-(-max(map(len, ids)) // 16) + 3)
+    assert generate(tight, ids, sampled(99)) == reference
+    assert tight.scheduler.num_preemptions > 0
+
+
+def test_n_choices_share_prompt_and_equal_single_requests_with_choice_seeds(make_engine, ids):
+    engine = make_engine()
+    free_before = engine.blocks.num_free
+    engine.add_request("n", ids[6], sampled(5, n=3))
+    choices = [[] for _ in range(3)]
+    while len(engine.requests["n"]) < 3:
+        for o in engine.step():
+            choices[o.index] += o.new_token_ids
+    used = free_before - engine.blocks.num_free
+    assert used <= len(ids[6]) // 16 + 3               # full prompt blocks held once, not 3 times
+    while engine.has_unfinished():
+        for o in engine.step():
+            choices[o.index] += o.new_token_ids
+    singles = generate(make_engine(), [ids[6]] * 3, [sampled(choice_seed(5, i)) for i in range(3)])
+    assert choices == [singles[f"r{i}"][0] for i in range(3)]
+    assert len({tuple(c) for c in choices}) > 1
+
+
+def test_stop_token_id_ends_with_stop_reason(engine, ids):
+    free_run = generate(engine, [ids[0]], greedy(10))["r0"][0]
+    stop_at = free_run[4]
+    engine.add_request("s", ids[0], greedy(10, stop_token_ids=[stop_at]))
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert [t for o in outs for t in o.new_token_ids] == free_run[:free_run.index(stop_at) + 1]
+    assert outs[-1].finish_reason == FinishReason.STOP
+
+
+def test_max_tokens_ends_with_length_reason(engine, ids):
+    engine.add_request("m", ids[1], greedy(3, ignore_eos=True))
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert len(outs) == 3 and outs[-1].finish_reason == FinishReason.LENGTH
+
+
+def test_min_tokens_holds_back_eos(engine, smollm_tokenizer):
+    chat = smollm_tokenizer.encode("<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n",
+                                   add_special_tokens=False)
+    short = generate(engine, [chat], greedy(200))["r0"][0]
+    assert short[-1] == 2 and len(short) < 40         # the model ends its answer with EOS
+    longer = generate(engine, [chat], greedy(200, min_tokens=len(short) + 5))["r0"][0]
+    assert len(longer) >= len(short) + 5 and 2 not in longer[:len(short) + 5]
+
+
+def test_ignore_eos_generates_all_max_tokens(engine, smollm_tokenizer):
+    chat = smollm_tokenizer.encode("<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n",
+                                   add_special_tokens=False)
+    out = generate(engine, [chat], greedy(60, ignore_eos=True))["r0"][0]
+    assert len(out) == 60
+
+
+def test_logprobs_top_n_sorted_and_contain_greedy_choice(engine, ids):
+    engine.add_request("l", ids[0], greedy(4, logprobs=5))
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    for o in outs:
+        (chosen, top), = o.logprobs
+        assert len(top) == 5
+        assert [lp for _, lp in top] == sorted((lp for _, lp in top), reverse=True)
+        assert top[0] == (o.new_token_ids[0], pytest.approx(chosen))
+
+
+def test_priority_policy_serves_urgent_request_first(make_engine, ids):
+    engine = make_engine(scheduling_policy="priority", max_num_seqs=1)
+    engine.add_request("late", ids[0], greedy(3), priority=5)
+    engine.add_request("urgent", ids[1], greedy(3), priority=-1)
+    first = engine.step()
+    assert [o.request_id for o in first] == ["urgent"]
+
+
+def test_fcfs_serves_in_arrival_order(make_engine, ids):
+    engine = make_engine(max_num_seqs=1)
+    engine.add_request("first", ids[0], greedy(3), priority=5)
+    engine.add_request("second", ids[1], greedy(3), priority=-1)
+    assert [o.request_id for o in engine.step()] == ["first"]
+
+
+def test_prompt_longer_than_max_model_len_rejected(make_engine, ids):
+    engine = make_engine(max_model_len=32)
+    with pytest.raises(InvalidRequest, match="prompt has .* tokens; the maximum is 31"):
+        engine.add_request("x", ids[7], greedy())
+
+
+def test_prompt_larger_than_the_whole_pool_rejected(make_engine, smollm_tokenizer):
+    engine = make_engine(num_blocks=4)                  # 64 tokens in all
+    prompt = smollm_tokenizer.encode(LONG_STORY, add_special_tokens=False)
+    with pytest.raises(InvalidRequest, match="maximum is 63"):
+        engine.add_request("x", prompt, greedy())
+    assert not engine.has_unfinished()
+
+
+def test_empty_prompt_and_bad_token_ids_rejected(engine):
+    with pytest.raises(InvalidRequest, match="prompt is empty"):
+        engine.add_request("e", [], greedy())
+    with pytest.raises(InvalidRequest, match="prompt token ids must be in"):
+        engine.add_request("e", [1, 10**6], greedy())
+
+
+def test_duplicate_request_id_rejected(engine, ids):
+    engine.add_request("d", ids[0], greedy())
+    with pytest.raises(InvalidRequest, match="already in use"):
+        engine.add_request("d", ids[0], greedy())
+    engine.abort("d")
+
+
+@pytest.mark.parametrize("field,value", [
+    ("temperature", -0.5), ("top_p", 0.0), ("top_p", 1.5), ("top_k", 0), ("top_k", -2),
+    ("min_p", 1.5), ("max_tokens", 0), ("min_tokens", -1), ("logprobs", 21), ("n", 0),
+    ("presence_penalty", 3.0), ("frequency_penalty", -3.0), ("repetition_penalty", 0.0),
+    ("seed", -1), ("stop_token_ids", [10**7]),
+])
+def test_invalid_sampling_parameter_rejected_naming_it(engine, ids, field, value):
+    with pytest.raises(InvalidRequest, match=f"^{field}="):
+        engine.add_request("bad", ids[0], SamplingParams(**{field: value}))
+    assert not engine.has_unfinished()

@@ -1,0 +1,514 @@
+"""Kernels: each reference against a naive loop (CPU), each Triton kernel against its
+reference (on CPU through Triton's interpreter, in a subprocess, and on CUDA)."""
+
+import importlib.util
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.activation import silu_and_mul, silu_and_mul_ref
+from kernels.attention import paged_attention, paged_attention_ref
+from kernels.cache import copy_blocks, copy_blocks_ref, swap_blocks, write_kv, write_kv_ref
+from kernels.norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
+from kernels.rotary import apply_rotary, apply_rotary_ref, build_cos_sin_cache
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+interpreter_only = pytest.mark.skipif(
+    not INTERPRETING, reason="run by test_triton_interpreter in a TRITON_INTERPRET=1 subprocess")
+
+
+# ----------------------------------------------------------------------------- batches
+
+def paged_batch(q_lens: list[int], seq_lens: list[int], num_heads: int, num_kv_heads: int,
+                head_dim: int, block_size: int, dtype: torch.dtype, device: str = "cpu",
+                pad_tokens: int = 0, seed: int = 0) -> dict:
+    """A step's attention inputs over a pool whose blocks are handed out in random order.
+
+    Table entries past a sequence's own blocks hold other valid block ids (the reference
+    gathers up to max_seq_len for every sequence); `pad_tokens` query rows belong to no
+    sequence, as in a CUDA-graph batch padded to its captured size.
+    """
+    g = torch.Generator().manual_seed(seed)
+    blocks_needed = [math.ceil(n / block_size) for n in seq_lens]
+    width = max(blocks_needed) + 1
+    num_blocks = sum(blocks_needed) + 4
+    order = torch.randperm(num_blocks, generator=g).tolist()
+    table = torch.randint(0, num_blocks, (len(seq_lens), width), generator=g, dtype=torch.int32)
+    for s, n in enumerate(blocks_needed):
+        table[s, :n] = torch.tensor(order[:n], dtype=torch.int32)
+        order = order[n:]
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    num_tokens = sum(q_lens) + pad_tokens
+    return dict(
+        q=torch.randn(num_tokens, num_heads, head_dim, generator=g).to(dtype).to(device),
+        k_cache=torch.randn(shape, generator=g).to(dtype).to(device),
+        v_cache=torch.randn(shape, generator=g).to(dtype).to(device),
+        block_tables=table.to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        query_start_loc=torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()],
+                                     dtype=torch.int32, device=device),
+        max_query_len=max(q_lens), max_seq_len=max(seq_lens), scale=head_dim ** -0.5)
+
+
+def poison_unused_slots(batch: dict) -> None:
+    """Fills every pool slot outside the sequences' contexts with NaN (never-written memory)."""
+    block_size = batch["k_cache"].shape[1]
+    live = torch.zeros(batch["k_cache"].shape[:2], dtype=torch.bool)
+    for s, n in enumerate(batch["seq_lens"].tolist()):
+        for t in range(n):
+            live[int(batch["block_tables"][s, t // block_size]), t % block_size] = True
+    live = live.to(batch["k_cache"].device)
+    batch["k_cache"][~live] = float("nan")
+    batch["v_cache"][~live] = float("nan")
+
+
+# (block_size, head_dim, num_heads, num_kv_heads): GQA ratios 1, 3 (SmolLM2), 4, 8.
+SHAPES = [(16, 64, 4, 4), (32, 64, 9, 3), (16, 128, 8, 2), (32, 128, 16, 2)]
+# (q_lens, seq_lens): contexts end on, just past and well past block boundaries.
+SMALL_BATCHES = {
+    "decode": ([1, 1, 1, 1], [1, 16, 17, 70]),
+    "prefill": ([5, 33], [5, 33]),
+    "mixed": ([1, 20, 1, 7, 0], [40, 20, 33, 50, 0]),  # a chunk of 7 over 43 earlier tokens
+    "padding": ([3, 0, 1], [3, 0, 9]),
+}
+
+
+# ------------------------------------------------------------------ naive definitions
+
+def naive_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                          scale, **_) -> torch.Tensor:
+    """Token by token, head by head: gather the context through the table, softmax, sum."""
+    num_heads = q.shape[1]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    rows = []
+    for s, seq_len in enumerate(seq_lens.tolist()):
+        start, end = int(query_start_loc[s]), int(query_start_loc[s + 1])
+        if start == end:
+            continue
+        slots = [(int(block_tables[s, t // block_size]), t % block_size) for t in range(seq_len)]
+        keys = torch.stack([k_cache[b, o] for b, o in slots]).double()  # [seq_len, KVH, D]
+        values = torch.stack([v_cache[b, o] for b, o in slots]).double()
+        for i in range(end - start):
+            pos = seq_len - (end - start) + i  # this query's own position: sees keys 0..pos
+            row = torch.empty(num_heads, q.shape[2], dtype=torch.float64)
+            for h in range(num_heads):
+                scores = keys[:pos + 1, h // group] @ q[start + i, h].double() * scale
+                row[h] = torch.softmax(scores, 0) @ values[:pos + 1, h // group]
+            rows.append(row)
+    return torch.stack(rows)
+
+
+def naive_inv_freq(rotary_dim: int, base: float, scaling: dict | None) -> list[float]:
+    """Per frequency, as the Llama 3 paper's pseudo-code states it."""
+    freqs = []
+    for j in range(0, rotary_dim, 2):
+        f = base ** (-j / rotary_dim)
+        kind = (scaling or {}).get("rope_type", "default")
+        if kind == "linear":
+            f /= scaling["factor"]
+        elif kind == "llama3":
+            wavelen = 2 * math.pi / f
+            low = scaling["original_max_position_embeddings"] / scaling["low_freq_factor"]
+            high = scaling["original_max_position_embeddings"] / scaling["high_freq_factor"]
+            if wavelen > low:
+                f /= scaling["factor"]
+            elif wavelen >= high:
+                smooth = ((scaling["original_max_position_embeddings"] / wavelen
+                           - scaling["low_freq_factor"])
+                          / (scaling["high_freq_factor"] - scaling["low_freq_factor"]))
+                f = (1 - smooth) * f / scaling["factor"] + smooth * f
+        freqs.append(f)
+    return freqs
+
+
+# ------------------------------------------------------- references vs naive (CPU)
+
+@pytest.mark.parametrize("batch_name", SMALL_BATCHES)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "bs%d-d%d-h%d-kv%d" % s)
+def test_attention_ref_matches_naive(shape, batch_name):
+    block_size, head_dim, num_heads, num_kv_heads = shape
+    batch = paged_batch(*SMALL_BATCHES[batch_name], num_heads, num_kv_heads, head_dim,
+                        block_size, torch.float32)
+    out = paged_attention_ref(**batch)
+    torch.testing.assert_close(out.double(), naive_paged_attention(**batch),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_attention_ref_half_precision_close_to_naive():
+    batch = paged_batch([1, 6, 1], [30, 6, 65], 8, 2, 64, 16, torch.bfloat16)
+    out = paged_attention_ref(**batch)
+    torch.testing.assert_close(out.double(), naive_paged_attention(**batch),
+                               atol=2e-2, rtol=2e-2)
+
+
+def test_public_functions_run_references_on_cpu():
+    batch = paged_batch([1, 4], [9, 4], 4, 2, 64, 16, torch.float32)
+    assert torch.equal(paged_attention(**batch), paged_attention_ref(**batch))
+    x = torch.randn(3, 64)
+    assert torch.equal(silu_and_mul(x), silu_and_mul_ref(x))
+    assert torch.equal(rms_norm(x, torch.ones(64), 1e-6), rms_norm_ref(x, torch.ones(64), 1e-6))
+
+
+def test_write_kv_ref_matches_naive():
+    k_cache = torch.zeros(6, 16, 2, 64)
+    v_cache = torch.zeros_like(k_cache)
+    key, value = torch.randn(7, 2, 64), torch.randn(7, 2, 64)
+    slots = torch.tensor([0, -1, 17, 95, 31, -1, 48])
+    write_kv_ref(key, value, k_cache, v_cache, slots)
+    want_k, want_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            want_k[slot // 16, slot % 16] = key[t]
+            want_v[slot // 16, slot % 16] = value[t]
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
+def test_copy_and_swap_blocks_ref_match_naive():
+    caches = [torch.randn(8, 16, 2, 64) for _ in range(3)]
+    before = [c.clone() for c in caches]
+    pairs = torch.tensor([[1, 5], [2, 6], [1, 7]])
+    copy_blocks_ref(caches, pairs)
+    for cache, old in zip(caches, before):
+        for src, dst in pairs.tolist():
+            old[dst] = old[src]
+        assert torch.equal(cache, old)
+
+    host = torch.zeros(4, 16, 2, 64)
+    swap_blocks(caches[0], host, torch.tensor([[3, 0], [5, 2]]))
+    assert torch.equal(host[0], caches[0][3]) and torch.equal(host[2], caches[0][5])
+    assert not host[1].any() and not host[3].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_refs_match_naive(dtype):
+    x, residual = torch.randn(5, 576).to(dtype), torch.randn(5, 576).to(dtype)
+    weight = torch.randn(576).to(dtype)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
+
+    def naive(h):
+        h = h.double()
+        return h / torch.sqrt((h * h).mean(-1, keepdim=True) + 1e-5) * weight.double()
+
+    torch.testing.assert_close(rms_norm_ref(x, weight, 1e-5).double(), naive(x), **tol)
+    normed, summed = fused_add_rms_norm_ref(x, residual, weight, 1e-5)
+    torch.testing.assert_close(summed.double(), x.double() + residual.double(), **tol)
+    torch.testing.assert_close(normed.double(), naive(summed), **tol)
+
+
+@pytest.mark.parametrize("scaling", [
+    None,
+    {"rope_type": "linear", "factor": 4.0},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 8192},
+], ids=["default", "linear", "llama3"])
+def test_rotary_ref_matches_naive(scaling):
+    head_dim, base = 64, 500000.0
+    cache = build_cos_sin_cache(head_dim, 2048, base, scaling)
+    positions = torch.tensor([0, 1, 7, 2047, 300])
+    q, k = torch.randn(5, 6, head_dim), torch.randn(5, 2, head_dim)
+    q_rot, k_rot = apply_rotary_ref(positions, q, k, cache)
+
+    half = head_dim // 2
+    freqs = naive_inv_freq(head_dim, base, scaling)
+    for x, x_rot in ((q, q_rot), (k, k_rot)):
+        want = torch.empty(x.shape, dtype=torch.float64)
+        for t, pos in enumerate(positions.tolist()):
+            for j, f in enumerate(freqs):
+                c, s = math.cos(pos * f), math.sin(pos * f)
+                a, b = x[t, :, j].double(), x[t, :, j + half].double()
+                want[t, :, j], want[t, :, j + half] = a * c - b * s, b * c + a * s
+        # fp32 angles of positions up to 2047 carry ~1e-4 absolute error
+        torch.testing.assert_close(x_rot.double(), want, atol=1e-3, rtol=1e-4)
+
+
+def test_silu_and_mul_ref_matches_naive():
+    x = torch.randn(3, 4, 2 * 96)
+    gate, up = x[..., :96].double(), x[..., 96:].double()
+    want = gate / (1 + torch.exp(-gate)) * up
+    torch.testing.assert_close(silu_and_mul_ref(x).double(), want, atol=1e-6, rtol=1e-6)
+
+
+# ------------------------------------------ Triton through its interpreter (CPU)
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+@pytest.mark.skipif(INTERPRETING, reason="already inside the interpreter run")
+def test_triton_interpreter():
+    """Runs this file's interpreter_only tests with TRITON_INTERPRET=1, which must be set
+    before triton is first imported."""
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT),
+                                                        os.environ.get("PYTHONPATH")])))
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+         "-k", "interp_"], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+        timeout=300)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    assert " passed" in result.stdout
+
+
+# The interpreter truncates when it converts to bfloat16 and gets bfloat16 matmuls wrong,
+# so bfloat16 is left to the GPU tests.
+INTERP_DTYPES = [torch.float32, torch.float16]
+INTERP_TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=4e-3, rtol=4e-3)}
+
+
+@interpreter_only
+@pytest.mark.parametrize("dtype", INTERP_DTYPES, ids=str)
+@pytest.mark.parametrize("batch_name", ["mixed", "padding", "long"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "bs%d-d%d-h%d-kv%d" % s)
+def test_interp_attention(shape, batch_name, dtype):
+    from kernels.triton_attention import paged_attention_triton
+
+    block_size, head_dim, num_heads, num_kv_heads = shape
+    # "long": decodes long enough to be split (and one to leave some splits empty), next to
+    # a prefill chunk tiled several times over.
+    q_lens, seq_lens = SMALL_BATCHES.get(batch_name, ([1, 1, 150, 1], [700, 1030, 400, 3]))
+    batch = paged_batch(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size,
+                        dtype, pad_tokens=2)
+    want = paged_attention_ref(**batch)
+    out = paged_attention_triton(**batch)
+    torch.testing.assert_close(out[:want.shape[0]], want, **INTERP_TOL[dtype])
+
+
+@interpreter_only
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_interp_attention_ignores_unwritten_slots(num_splits):
+    from kernels.triton_attention import AttentionConfig, paged_attention_triton
+
+    batch = paged_batch([1, 9, 1], [300, 40, 21], 8, 2, 64, 16, torch.float32)
+    want = paged_attention_ref(**batch)
+    poison_unused_slots(batch)
+    out = paged_attention_triton(**batch, config=AttentionConfig(num_splits=num_splits))
+    torch.testing.assert_close(out, want, **INTERP_TOL[torch.float32])
+
+
+@interpreter_only
+@pytest.mark.parametrize("dtype", INTERP_DTYPES, ids=str)
+def test_interp_cache_ops(dtype):
+    from kernels.triton_cache import copy_blocks_triton, write_kv_triton
+
+    k_cache = torch.randn(10, 16, 3, 64).to(dtype)
+    v_cache = torch.randn(10, 16, 3, 64).to(dtype)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    # key/value as views of a fused projection, as the model hands them over
+    kv = torch.randn(7, 2, 3, 64).to(dtype)
+    slots = torch.tensor([5, -1, 17, 159, 0, -1, 33])
+    write_kv_ref(kv[:, 0], kv[:, 1], want_k, want_v, slots)
+    write_kv_triton(kv[:, 0], kv[:, 1], k_cache, v_cache, slots)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+    caches = [k_cache, v_cache, torch.randn(10, 32, 64).to(dtype)]
+    want = [c.clone() for c in caches]
+    pairs = torch.tensor([[1, 4], [2, 7], [1, 9]], dtype=torch.int32)
+    copy_blocks_ref(want, pairs)
+    copy_blocks_triton(caches, pairs)
+    assert all(torch.equal(c, w) for c, w in zip(caches, want))
+
+
+@interpreter_only
+@pytest.mark.parametrize("dtype", INTERP_DTYPES, ids=str)
+def test_interp_elementwise(dtype):
+    from kernels.triton_activation import silu_and_mul_triton
+    from kernels.triton_norm import fused_add_rms_norm_triton, rms_norm_triton
+    from kernels.triton_rotary import apply_rotary_triton
+
+    tol = INTERP_TOL[dtype]
+    x, residual = torch.randn(2, 3, 576).to(dtype), torch.randn(2, 3, 576).to(dtype)
+    weight = torch.randn(576).to(dtype)
+    torch.testing.assert_close(rms_norm_triton(x, weight, 1e-5), rms_norm_ref(x, weight, 1e-5),
+                               **tol)
+    for got, want in zip(fused_add_rms_norm_triton(x, residual, weight, 1e-5),
+                         fused_add_rms_norm_ref(x, residual, weight, 1e-5)):
+        torch.testing.assert_close(got, want, **tol)
+
+    cache = build_cos_sin_cache(64, 100, 10000.0)
+    positions = torch.tensor([0, 5, 99, 3, 3])
+    qkv = torch.randn(5, 9 + 3, 64).to(dtype)
+    q, k = qkv[:, :9], qkv[:, 9:]
+    for got, want in zip(apply_rotary_triton(positions, q, k, cache),
+                         apply_rotary_ref(positions, q, k, cache)):
+        torch.testing.assert_close(got, want, **tol)
+
+    x = torch.randn(4, 3, 2 * 1536).to(dtype)
+    torch.testing.assert_close(silu_and_mul_triton(x), silu_and_mul_ref(x), **tol)
+
+
+# ------------------------------------------------------------ Triton on CUDA
+
+GPU_TOL = {torch.float32: dict(atol=2e-4, rtol=2e-4), torch.float16: dict(atol=5e-3, rtol=5e-3),
+           torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+# Exact up to rounding order: one or two units in the last place.
+GPU_ELEMENTWISE_TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5),
+                       torch.float16: dict(atol=1e-3, rtol=2e-3),
+                       torch.bfloat16: dict(atol=1e-2, rtol=2e-2)}
+
+
+def gpu_batches(rng: torch.Generator) -> dict[str, tuple[list[int], list[int]]]:
+    def lens(n: int, lo: int, hi: int) -> list[int]:
+        return torch.randint(lo, hi, (n,), generator=rng).tolist()
+
+    decode_ctx = lens(48, 1, 3000)
+    chunk_q, chunk_ctx = lens(4, 2, 300), lens(4, 0, 1500)
+    return {
+        "decode": ([1] * 48, decode_ctx),
+        "prefill": (lens(3, 2, 700) + [1], None),
+        "mixed": ([1] * 16 + chunk_q + [0, 0],
+                  lens(16, 1, 2000) + [q + c for q, c in zip(chunk_q, chunk_ctx)] + [0, 0]),
+    }
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,dtype", [
+    *[(s, torch.bfloat16) for s in SHAPES],
+    *[(s, torch.float16) for s in SHAPES],
+    (SHAPES[2], torch.float32),
+    (SHAPES[3], torch.float32),
+], ids=lambda p: "bs%d-d%d-h%d-kv%d" % p if isinstance(p, tuple) else str(p))
+def test_gpu_attention(shape, dtype):
+    block_size, head_dim, num_heads, num_kv_heads = shape
+    rng = torch.Generator().manual_seed(sum(shape))
+    for name, (q_lens, seq_lens) in gpu_batches(rng).items():
+        seq_lens = seq_lens or q_lens
+        batch = paged_batch(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size,
+                            dtype, "cuda", pad_tokens=3)
+        want = paged_attention_ref(**batch)
+        out = paged_attention(**batch)
+        torch.testing.assert_close(out[:want.shape[0]], want, **GPU_TOL[dtype], msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [1, 2, 5, 16])
+def test_gpu_attention_splits_and_unwritten_slots(num_splits):
+    from kernels.triton_attention import AttentionConfig, paged_attention_triton
+
+    batch = paged_batch([1] * 6 + [37], [4096, 1, 17, 1000, 2500, 33, 300], 32, 8, 128, 16,
+                        torch.bfloat16, "cuda")
+    want = paged_attention_ref(**batch)
+    poison_unused_slots(batch)
+    out = paged_attention_triton(**batch, config=AttentionConfig(num_splits=num_splits))
+    torch.testing.assert_close(out, want, **GPU_TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+def test_gpu_decode_step_replays_in_cuda_graph():
+    """KV write + attention captured once with fixed bounds, replayed over new lengths."""
+    num_seqs, bound = 8, 2048
+    batch = paged_batch([1] * num_seqs, [bound] * num_seqs, 8, 2, 128, 16, torch.bfloat16, "cuda")
+    static = {k: v for k, v in batch.items() if torch.is_tensor(v)}
+    new_k = torch.zeros(num_seqs, 2, 128, dtype=torch.bfloat16, device="cuda")
+    new_v = torch.zeros_like(new_k)
+    slots = torch.zeros(num_seqs, dtype=torch.int64, device="cuda")
+
+    def step() -> torch.Tensor:
+        write_kv(new_k, new_v, static["k_cache"], static["v_cache"], slots)
+        return paged_attention(**static, max_query_len=1, max_seq_len=bound,
+                               scale=batch["scale"])
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+
+    for seed in range(3):
+        g = torch.Generator().manual_seed(seed)
+        lens = torch.randint(1, bound + 1, (num_seqs,), generator=g)
+        lens[-1] = 0  # a padding sequence: no query, no slot
+        static["seq_lens"].copy_(lens)
+        static["query_start_loc"].copy_(torch.tensor([0, *range(1, num_seqs), num_seqs - 1]))
+        positions = (lens - 1).clamp(min=0)
+        block_ids = static["block_tables"].cpu().gather(1, (positions // 16)[:, None])[:, 0]
+        slot_ids = block_ids * 16 + positions % 16
+        slot_ids[-1] = -1
+        slots.copy_(slot_ids)
+        new_k.copy_(torch.randn(new_k.shape, generator=g))
+        new_v.copy_(torch.randn(new_v.shape, generator=g))
+        want_k, want_v = static["k_cache"].clone(), static["v_cache"].clone()
+        graph.replay()
+
+        write_kv_ref(new_k, new_v, want_k, want_v, slots)
+        assert torch.equal(static["k_cache"], want_k) and torch.equal(static["v_cache"], want_v)
+        want = paged_attention_ref(static["q"], want_k, want_v, static["block_tables"],
+                                   static["seq_lens"], static["query_start_loc"], 1,
+                                   int(lens.max()), batch["scale"])
+        torch.testing.assert_close(out[:num_seqs - 1], want, **GPU_TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_gpu_write_kv_and_copy_blocks(dtype):
+    rng = torch.Generator().manual_seed(1)
+    for block_size, num_kv_heads, head_dim in [(16, 8, 128), (32, 3, 64)]:
+        shape = (64, block_size, num_kv_heads, head_dim)
+        k_cache = torch.randn(shape, generator=rng).to(dtype).cuda()
+        v_cache = torch.randn(shape, generator=rng).to(dtype).cuda()
+        want_k, want_v = k_cache.clone(), v_cache.clone()
+        kv = torch.randn(300, 2, num_kv_heads, head_dim, generator=rng).to(dtype).cuda()
+        slots = torch.randperm(64 * block_size, generator=rng)[:300]
+        slots[::7] = -1
+        write_kv_ref(kv[:, 0], kv[:, 1], want_k, want_v, slots.cuda())
+        write_kv(kv[:, 0], kv[:, 1], k_cache, v_cache, slots.cuda())
+        assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+        caches = [k_cache, v_cache, torch.randn(64, 7, 33, generator=rng).to(dtype).cuda()]
+        want = [c.clone() for c in caches]
+        pairs = torch.stack([torch.arange(0, 20), torch.arange(30, 50)], 1)
+        copy_blocks_ref(want, pairs)
+        copy_blocks(caches, pairs)
+        assert all(torch.equal(c, w) for c, w in zip(caches, want))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("hidden", [576, 4096, 5120])
+def test_gpu_norms(dtype, hidden):
+    rng = torch.Generator().manual_seed(hidden)
+    x = torch.randn(37, hidden, generator=rng).to(dtype).cuda()
+    residual = torch.randn(37, hidden, generator=rng).to(dtype).cuda()
+    weight = (1 + 0.1 * torch.randn(hidden, generator=rng)).to(dtype).cuda()
+    tol = GPU_ELEMENTWISE_TOL[dtype]
+    torch.testing.assert_close(rms_norm(x, weight, 1e-6), rms_norm_ref(x, weight, 1e-6), **tol)
+    for got, want in zip(fused_add_rms_norm(x, residual, weight, 1e-6),
+                         fused_add_rms_norm_ref(x, residual, weight, 1e-6)):
+        torch.testing.assert_close(got, want, **tol)
+    # fp32 residual stream under a 16-bit hidden state
+    for got, want in zip(fused_add_rms_norm(x, residual.float(), weight, 1e-6),
+                         fused_add_rms_norm_ref(x, residual.float(), weight, 1e-6)):
+        torch.testing.assert_close(got, want, **GPU_ELEMENTWISE_TOL[torch.float32])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("heads,head_dim", [((32, 8), 128), ((9, 3), 64), ((16, 16), 64)])
+def test_gpu_rotary(dtype, heads, head_dim):
+    num_heads, num_kv_heads = heads
+    rng = torch.Generator().manual_seed(head_dim)
+    cache = build_cos_sin_cache(head_dim, 8192, 500000.0).cuda()
+    positions = torch.randint(0, 8192, (333,), generator=rng).cuda()
+    qkv = torch.randn(333, num_heads + 2 * num_kv_heads, head_dim, generator=rng).to(dtype).cuda()
+    q, k = qkv[:, :num_heads], qkv[:, num_heads:num_heads + num_kv_heads]
+    for got, want in zip(apply_rotary(positions, q, k, cache),
+                         apply_rotary_ref(positions, q, k, cache)):
+        torch.testing.assert_close(got, want, **GPU_ELEMENTWISE_TOL[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("width", [1536, 14336, 100])
+def test_gpu_silu_and_mul(dtype, width):
+    x = torch.randn(65, 2 * width, generator=torch.Generator().manual_seed(width))
+    x = x.to(dtype).cuda()
+    torch.testing.assert_close(silu_and_mul(x), silu_and_mul_ref(x), **GPU_ELEMENTWISE_TOL[dtype])
+    assert torch.equal(silu_and_mul(x[:, None]), silu_and_mul(x)[:, None])

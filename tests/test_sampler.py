@@ -1,0 +1,86 @@
+"""Sampler rules on small hand-made logits."""
+
+import torch
+
+from worker.sampler import SamplingBatch, apply_penalties, sample, seeded_uniform
+from worker.sampling_params import SamplingParams
+
+V = 8
+
+
+def batch(*params: SamplingParams, seeds=None, outputs=None, prompts=None, banned=None):
+    rows = [(p, (seeds or [0] * len(params))[i], 10, (prompts or [[]] * len(params))[i],
+             (outputs or [[]] * len(params))[i], (banned or [[]] * len(params))[i])
+            for i, p in enumerate(params)]
+    return SamplingBatch.build(rows, V, torch.device("cpu"))
+
+
+def logits(*rows):
+    return torch.tensor(rows, dtype=torch.float32)
+
+
+ROW = [0.0, 3.0, 1.0, 2.9, -1.0, 0.5, 2.0, 0.1]
+
+
+def test_greedy_picks_argmax():
+    assert sample(logits(ROW), batch(SamplingParams(temperature=0))).token_ids == [1]
+
+
+def test_top_k_one_equals_greedy_whatever_the_seed():
+    draws = {sample(logits(ROW), batch(SamplingParams(temperature=2.0, top_k=1), seeds=[s])).token_ids[0]
+             for s in range(20)}
+    assert draws == {1}
+
+
+def test_min_p_one_keeps_only_the_top_token():
+    draws = {sample(logits(ROW), batch(SamplingParams(temperature=1.0, min_p=1.0), seeds=[s])).token_ids[0]
+             for s in range(20)}
+    assert draws == {1}
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    # top two tokens (ids 1 and 3) hold ~0.62 of the mass: top_p 0.6 keeps exactly them.
+    draws = {sample(logits(ROW), batch(SamplingParams(temperature=1.0, top_p=0.6), seeds=[s])).token_ids[0]
+             for s in range(60)}
+    assert draws == {1, 3}
+
+
+def test_sampling_follows_the_distribution():
+    probs = torch.softmax(logits(ROW)[0], -1)
+    counts = torch.zeros(V)
+    for s in range(3000):
+        counts[sample(logits(ROW), batch(SamplingParams(temperature=1.0), seeds=[s])).token_ids[0]] += 1
+    assert torch.allclose(counts / 3000, probs, atol=0.03)
+
+
+def test_seeded_uniform_depends_only_on_seed_position_and_token():
+    seeds, pos, vocab = torch.tensor([5, 5, 6]), torch.tensor([3, 3, 3]), torch.arange(1000)
+    u = seeded_uniform(seeds, pos, vocab)
+    assert torch.equal(u[0], u[1]) and not torch.equal(u[0], u[2])
+    assert 0 < u.min() and u.max() < 1 and abs(u.mean().item() - 0.5) < 0.03
+    assert not torch.equal(u[0], seeded_uniform(seeds[:1], pos[:1] + 1, vocab)[0])
+
+
+def test_banned_tokens_are_never_drawn():
+    out = sample(logits(ROW), batch(SamplingParams(temperature=0), banned=[[1, 3]]))
+    assert out.token_ids == [6]
+
+
+def test_penalties_follow_their_definitions():
+    p = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=2.0)
+    b = batch(p, outputs=[[1, 1, 4]], prompts=[[6]])
+    got = apply_penalties(logits(ROW), b)[0]
+    expected = torch.tensor(ROW)
+    expected[1] = 3.0 / 2 - 0.25 * 2 - 0.5     # positive: divided, then 2 occurrences
+    expected[4] = -1.0 * 2 - 0.25 - 0.5        # negative: multiplied
+    expected[6] = 2.0 / 2                      # prompt token: repetition penalty only
+    torch.testing.assert_close(got, expected)
+
+
+def test_logprobs_are_of_the_unmodified_distribution():
+    out = sample(logits(ROW), batch(SamplingParams(temperature=0, logprobs=2, presence_penalty=1.0),
+                                    outputs=[[1]]))
+    lp = torch.log_softmax(logits(ROW)[0], -1)
+    chosen, top = out.logprobs[0]
+    assert chosen == lp[out.token_ids[0]].item()
+    assert [t for t, _ in top] == [1, 3]

@@ -1,0 +1,1 @@
+"""The stateful side of pagedserve: KV pool, scheduler, model runner, sampler, session server."""

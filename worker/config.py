@@ -1,0 +1,80 @@
+"""Configuration records of the worker: the model's shape and the engine's limits."""
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class ModelConfig:
+    """Shape of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2)."""
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False          # Qwen2: bias on q/k/v projections
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V per token over all layers, for an element size of 1."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+          "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16}
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`auto` is bfloat16 on a GPU and float32 on the CPU (CPU half matmuls are slow)."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"dtype={name!r} is not supported; use auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    load_format: str = "auto"             # auto | hf | gguf | dummy
+    dtype: str = "auto"
+    device: str = "auto"                  # auto | cpu | cuda
+    seed: int = 0                         # for dummy weights
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None      # default: the model's, capped by the pool
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_gb: float = 1.0       # KV pool size on the CPU
+    num_blocks: int | None = None         # overrides the sizing (tests, benchmarks)
+    swap_space_gb: float = 1.0            # host swap pool for preempted requests
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"       # fcfs | priority
+    enforce_eager: bool = False
+
+    def validate(self) -> "EngineConfig":
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError(f"block_size={self.block_size} must be one of 8, 16, 32, 64, 128")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= 1")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy={self.scheduling_policy!r} must be fcfs or priority")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks={self.num_blocks} must be >= 1")
+        return self

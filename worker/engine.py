@@ -1,0 +1,217 @@
+"""The step-level engine: requests in, one scheduling iteration per `step()`, token deltas out.
+
+Not thread-safe: one thread drives it (the worker server queues RPC commands to that thread).
+"""
+
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+
+from worker.config import EngineConfig
+from worker.kv_pool import BlockManager
+from worker.model_runner import ModelRunner
+from worker.models.loader import ModelSource, resolve_source
+from worker.sampler import SamplingBatch
+from worker.sampling_params import InvalidRequest, SamplingParams
+from worker.scheduler import Scheduler, ScheduledSeq
+from worker.sequence import FinishReason, Sequence, SeqStatus
+
+log = logging.getLogger("pagedserve.engine")
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice `index` of a request: choice 0 keeps the request's seed."""
+    return seed if index == 0 else (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9) % 2**63
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one sequence (one choice of a request)."""
+    request_id: str
+    index: int
+    new_token_ids: list[int]
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class EngineStats:
+    total_blocks: int
+    free_blocks: int
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    prefix_queries: int
+    prefix_hits: int
+    tokens_in_flight: int = 0
+    steps: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, source: ModelSource | None = None, loaded=None):
+        """`loaded`: (ModelConfig, model) already in memory, to share weights between engines."""
+        self.config = config.validate()
+        self.source = source or resolve_source(config.model, config.load_format)
+        self.runner = ModelRunner(config, self.source, loaded)
+        self.model_config = self.runner.model_config
+        pool_tokens = self.runner.num_blocks * config.block_size
+        self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
+                                 self.model_config.max_position_embeddings, pool_tokens)
+        self.blocks = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.blocks)
+        self.requests: dict[str, list[Sequence]] = {}
+        self.eos_token_ids = set(self.model_config.eos_token_ids)
+        self.num_steps = 0
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    # ------------------------------------------------------------ requests
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    priority: int = 0, arrival: float | None = None) -> None:
+        """Queues a request; raises InvalidRequest (naming the problem) if it can never run."""
+        params.validate(self.vocab_size)
+        if request_id in self.requests:
+            raise InvalidRequest(f"request_id {request_id!r} is already in use")
+        if not prompt_token_ids:
+            raise InvalidRequest("prompt is empty: give at least one token")
+        if any(not 0 <= t < self.vocab_size for t in prompt_token_ids):
+            raise InvalidRequest(f"prompt token ids must be in [0, {self.vocab_size})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise InvalidRequest(f"prompt has {len(prompt_token_ids)} tokens; the maximum is "
+                                 f"{self.max_model_len - 1} (max_model_len {self.max_model_len} "
+                                 f"leaves room for at least one generated token)")
+        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        seq = Sequence(request_id=request_id, index=0, prompt_len=len(prompt_token_ids),
+                       token_ids=list(prompt_token_ids), params=params, seed=seed,
+                       priority=priority, arrival=time.monotonic() if arrival is None else arrival,
+                       pending_fork=params.n > 1,
+                       max_len=min(len(prompt_token_ids) + params.max_tokens, self.max_model_len))
+        self.requests[request_id] = [seq]
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> bool:
+        """Drops a request wherever it is and frees its blocks; False if it is unknown."""
+        seqs = self.requests.pop(request_id, None)
+        for seq in seqs or ():
+            if seq.status != SeqStatus.FINISHED:
+                self.scheduler.remove(seq)
+                seq.status, seq.finish_reason = SeqStatus.FINISHED, FinishReason.ABORT
+        return seqs is not None
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            total_blocks=self.blocks.num_blocks, free_blocks=self.blocks.num_free,
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_preemptions=self.scheduler.num_preemptions, prefix_queries=self.blocks.prefix_queries,
+            prefix_hits=self.blocks.prefix_hits, steps=self.num_steps,
+            tokens_in_flight=sum(s.max_len for seqs in self.requests.values() for s in seqs))
+
+    # ------------------------------------------------------------ the step
+
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if not plan.scheduled:
+            return []
+        self.num_steps += 1
+        rows, logits_rows = [], []
+        for i, s in enumerate(plan.scheduled):
+            if s.samples:
+                draws = s.seq.params.n if s.seq.pending_fork else 1
+                for index in range(draws):
+                    rows.append(self._sampling_row(s.seq, choice_seed(s.seq.seed, index)))
+                    logits_rows.append(i)
+        batch = SamplingBatch.build(rows, self.vocab_size, self.runner.device) if rows else None
+        result = self.runner.execute(plan.scheduled, logits_rows, batch)
+
+        outputs, draw = [], 0
+        for s in plan.scheduled:
+            seq = s.seq
+            seq.num_computed += s.num_tokens
+            self.blocks.register_full_blocks(seq)
+            if not s.samples:
+                continue
+            family = [seq]
+            if seq.pending_fork:
+                family += self._fork(seq)
+            for member in family:
+                logprobs = result.logprobs[draw]
+                outputs.append(self._append_token(member, result.token_ids[draw], logprobs))
+                draw += 1
+        return outputs
+
+    def _sampling_row(self, seq: Sequence, seed: int):
+        p = seq.params
+        banned = []
+        if seq.num_output < p.min_tokens:
+            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(self.eos_token_ids))
+        return (p, seed, seq.num_tokens, seq.token_ids[:seq.prompt_len], seq.output_ids, banned)
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        """Creates choices 1..n-1 of a request whose prompt is now computed. They share the
+        prompt's blocks; without a free block for the partial last block they recompute."""
+        parent.pending_fork = False
+        children = []
+        for index in range(1, parent.params.n):
+            child = Sequence(request_id=parent.request_id, index=index, prompt_len=parent.prompt_len,
+                             token_ids=list(parent.token_ids), params=parent.params,
+                             seed=choice_seed(parent.seed, index), priority=parent.priority,
+                             arrival=parent.arrival, max_len=parent.max_len)
+            if self.blocks.num_free >= 1:
+                copy = self.blocks.fork(parent, child)
+                if copy:
+                    self.runner.pending_copies.append(copy)
+                child.num_computed = parent.num_computed
+                child.status = SeqStatus.RUNNING
+                self.scheduler.running.append(child)
+            else:
+                self.scheduler.add(child)
+            children.append(child)
+        self.requests[parent.request_id].extend(children)
+        return children
+
+    def _append_token(self, seq: Sequence, token: int, logprobs) -> RequestOutput:
+        seq.token_ids.append(token)
+        p = seq.params
+        if logprobs is not None:
+            chosen, top = logprobs
+            logprobs = [(chosen, top[:p.logprobs])]
+        reason = None
+        if seq.num_output >= p.min_tokens and (
+                token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)):
+            reason = FinishReason.STOP
+        elif seq.num_tokens >= seq.max_len:
+            reason = FinishReason.LENGTH
+        out = RequestOutput(seq.request_id, seq.index, [token], logprobs, reason,
+                            seq.prompt_len, seq.num_cached_tokens)
+        if reason is not None:
+            self._finish(seq, reason)
+        return out
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        self.scheduler.remove(seq)
+        seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
+        family = self.requests.get(seq.request_id, [])
+        if all(s.status == SeqStatus.FINISHED for s in family) and not family[0].pending_fork:
+            del self.requests[seq.request_id]
+
+    # ------------------------------------------------------------ scoring
+
+    def prompt_logits(self, token_ids: list[int]):
+        """Logits `[len, vocab]` at every position of `token_ids` (teacher forcing)."""
+        seq = Sequence("__score__", 0, len(token_ids), list(token_ids), SamplingParams(), 0)
+        if not self.blocks.reserve(seq, len(token_ids)):
+            raise InvalidRequest(f"{len(token_ids)} tokens do not fit in the free KV pool")
+        try:
+            return self.runner.all_logits(ScheduledSeq(seq, len(token_ids)))
+        finally:
+            self.blocks.free_seq(seq)

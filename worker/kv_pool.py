@@ -1,0 +1,144 @@
+"""The paged KV pool: block allocation with reference counts and prefix caching.
+
+Blocks hold `block_size` tokens of K/V for every layer. A sequence owns an ordered block
+table; blocks shared by several sequences (a cached prefix, the prompt of an n > 1 request)
+are reference-counted. A full block is identified by a chained hash, `hash((previous block's
+hash, its token ids))`, so equal hashes mean equal prefixes. When its last user lets go, a
+hashed block keeps its contents in the free list (least recently freed first out) and a later
+request with the same prefix takes it back instead of recomputing it.
+"""
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from worker.sequence import Sequence
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None
+    token_ids: tuple[int, ...] = ()      # of a hashed block, to rule out hash collisions
+
+
+def chain_hash(prev_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    return hash((prev_hash, token_ids))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached: dict[int, int] = {}     # chain hash -> block id
+        self.prefix_queries = 0              # prompt blocks looked up
+        self.prefix_hits = 0                 # of those, found in the cache
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ------------------------------------------------------------ allocation
+
+    def _take_free(self) -> int:
+        block_id, _ = self.free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None:           # evict its cached contents
+            if self.cached.get(block.hash) == block_id:
+                del self.cached[block.hash]
+            block.hash, block.token_ids = None, ()
+        block.ref_count = 1
+        return block_id
+
+    def _ref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free[block_id]
+        block.ref_count += 1
+
+    def match_prefix(self, seq: Sequence) -> None:
+        """Gives a sequence that has no blocks yet the cached blocks of its longest cached
+        prefix of full blocks, always leaving at least one token to compute (its logits
+        start the generation)."""
+        assert not seq.block_table
+        if not self.enable_prefix_caching:
+            return
+        prev = None
+        for i in range((seq.num_tokens - 1) // self.block_size):
+            tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            h = chain_hash(prev, tokens)
+            self.prefix_queries += 1
+            block_id = self.cached.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                break
+            self.prefix_hits += 1
+            self._ref(block_id)
+            seq.block_table.append(block_id)
+            seq.block_hashes.append(h)
+            prev = h
+        seq.num_computed = seq.num_cached_tokens = len(seq.block_table) * self.block_size
+
+    def reserve(self, seq: Sequence, num_tokens: int) -> bool:
+        """Makes the sequence's table cover `num_tokens` tokens; False if the pool is short."""
+        missing = self.blocks_needed(num_tokens) - len(seq.block_table)
+        if missing > len(self.free):
+            return False
+        seq.block_table.extend(self._take_free() for _ in range(missing))
+        return True
+
+    def free_seq(self, seq: Sequence) -> None:
+        # Tail blocks go into the free list first, so they are evicted before the shared
+        # prefix blocks that later requests are likelier to ask for.
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free[block_id] = None
+        seq.block_table = []
+        seq.block_hashes = []
+
+    def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
+        """Shares the parent's blocks with a child. The last block, if partly filled, will be
+        written by both, so the child gets its own copy: returns `(src, dst)` for the runner to
+        copy, or None. The caller checks `num_free` first."""
+        child.block_table = list(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+        for block_id in child.block_table:
+            self._ref(block_id)
+        if parent.num_computed % self.block_size == 0:
+            return None
+        src = child.block_table[-1]
+        self.blocks[src].ref_count -= 1
+        dst = self._take_free()
+        child.block_table[-1] = dst
+        return src, dst
+
+    def register_full_blocks(self, seq: Sequence) -> None:
+        """Hashes the blocks that this step filled, so later requests can share them."""
+        if not self.enable_prefix_caching:
+            return
+        full = seq.num_computed // self.block_size
+        for i in range(len(seq.block_hashes), full):
+            tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            h = chain_hash(seq.block_hashes[-1] if seq.block_hashes else None, tokens)
+            seq.block_hashes.append(h)
+            block = self.blocks[seq.block_table[i]]
+            if block.hash is None and h not in self.cached:
+                block.hash, block.token_ids = h, tokens
+                self.cached[h] = block.block_id
+
+
+def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                      head_dim: int, dtype: torch.dtype, device: torch.device,
+                      pin_memory: bool = False) -> torch.Tensor:
+    """One tensor `[num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]`."""
+    return torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim,
+                       dtype=dtype, device=device, pin_memory=pin_memory)

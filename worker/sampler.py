@@ -1,0 +1,160 @@
+"""Batched sampling on the device: penalties, temperature, top-k/top-p/min-p, seeded draws.
+
+Randomness of a seeded sequence is a pure function of (seed, position, token id): a counter-
+based hash gives each vocabulary entry a uniform number, and the token drawn is the winner of
+an exponential race (`argmax p / -log u`, equivalent to sampling from p). So a seeded
+sequence draws the same tokens whatever else is in the batch, and after preemption by
+recompute or migration to another worker.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from worker.sampling_params import SamplingParams
+
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(h: torch.Tensor) -> torch.Tensor:
+    """murmur3's 32-bit finalizer on int64 tensors holding 32-bit values."""
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & _M32
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & _M32
+    return h ^ (h >> 16)
+
+
+def seeded_uniform(seeds: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """Uniform numbers in (0, 1), one per (row, token): `seeds[B]`, `positions[B]` int64,
+    `token_ids[V]` or `[B, V]`."""
+    key = _mix32((seeds & _M32) ^ _mix32(((seeds >> 32) & _M32) ^ (positions * 0x9E3779B1 & _M32)))
+    h = _mix32(key[:, None] ^ ((token_ids * 0x27D4EB2F) & _M32))
+    return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
+
+
+@dataclass
+class SamplingBatch:
+    """The sampling parameters of one step's rows as device tensors."""
+    temperature: torch.Tensor       # [B] float, 0 = greedy
+    top_k: torch.Tensor             # [B] int, vocab size when disabled
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    seeds: torch.Tensor             # [B] int64
+    positions: torch.Tensor         # [B] position of the token being drawn
+    presence: torch.Tensor
+    frequency: torch.Tensor
+    repetition: torch.Tensor
+    output_ids: torch.Tensor | None  # [B, L] padded with -1, only when penalties are used
+    prompt_ids: torch.Tensor | None  # [B, L'] padded with -1, only for repetition penalty
+    banned: tuple[list[int], list[int]] | None  # (rows, token ids) masked for min_tokens
+    all_greedy: bool
+    any_top_k: bool
+    any_top_p_or_min_p: bool
+    logprobs_top_n: int | None      # widest top-n asked for; None: no row wants logprobs
+
+    @classmethod
+    def build(cls, rows: list[tuple[SamplingParams, int, int, list[int], list[int], list[int]]],
+              vocab_size: int, device: torch.device) -> "SamplingBatch":
+        """`rows`: (params, seed, position, prompt ids, output ids, ids banned for min_tokens)."""
+        params = [r[0] for r in rows]
+        f32 = lambda xs: torch.tensor(xs, dtype=torch.float32, device=device)  # noqa: E731
+        penalties = any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
+                        for p in params)
+        repetition = any(p.repetition_penalty != 1.0 for p in params)
+
+        def padded(lists: list[list[int]]) -> torch.Tensor:
+            width = max(1, max(len(x) for x in lists))
+            return torch.tensor([x + [-1] * (width - len(x)) for x in lists], dtype=torch.long, device=device)
+
+        banned_rows = [i for i, r in enumerate(rows) for _ in r[5]]
+        banned_ids = [t for r in rows for t in r[5]]
+        return cls(
+            temperature=f32([p.temperature for p in params]),
+            top_k=torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params], device=device),
+            top_p=f32([p.top_p for p in params]), min_p=f32([p.min_p for p in params]),
+            seeds=torch.tensor([r[1] for r in rows], dtype=torch.long, device=device),
+            positions=torch.tensor([r[2] for r in rows], dtype=torch.long, device=device),
+            presence=f32([p.presence_penalty for p in params]),
+            frequency=f32([p.frequency_penalty for p in params]),
+            repetition=f32([p.repetition_penalty for p in params]),
+            output_ids=padded([r[4] for r in rows]) if penalties else None,
+            prompt_ids=padded([r[3] for r in rows]) if repetition else None,
+            banned=(banned_rows, banned_ids) if banned_ids else None,
+            all_greedy=all(p.greedy for p in params),
+            any_top_k=any(0 < p.top_k < vocab_size for p in params),
+            any_top_p_or_min_p=any(p.top_p < 1.0 or p.min_p > 0.0 for p in params),
+            logprobs_top_n=max((p.logprobs for p in params if p.logprobs is not None), default=None),
+        )
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    # Per row: (logprob of the drawn token, [(token id, logprob) of the top n]) or None.
+    logprobs: list[tuple[float, list[tuple[int, float]]] | None]
+
+
+def _token_counts(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    counts = torch.zeros(ids.shape[0], vocab_size + 1, device=ids.device)
+    counts.scatter_add_(1, torch.where(ids < 0, vocab_size, ids), torch.ones_like(ids, dtype=counts.dtype))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    vocab = logits.shape[1]
+    out_counts = _token_counts(b.output_ids, vocab)
+    if b.prompt_ids is not None:
+        seen = (out_counts + _token_counts(b.prompt_ids, vocab)) > 0
+        rep = b.repetition[:, None]
+        logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - b.frequency[:, None] * out_counts
+    return logits - b.presence[:, None] * (out_counts > 0).float()
+
+
+def _filter(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """Masks tokens outside top-k, top-p and min-p with -inf (on temperature-scaled logits)."""
+    if b.any_top_k:
+        kth = torch.sort(logits, dim=-1, descending=True).values.gather(1, (b.top_k - 1)[:, None])
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if b.any_top_p_or_min_p:
+        probs = logits.softmax(-1)
+        if (b.min_p > 0).any():
+            logits = logits.masked_fill(probs < b.min_p[:, None] * probs.max(-1, keepdim=True).values,
+                                        float("-inf"))
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        before = sorted_probs.cumsum(-1) - sorted_probs          # mass ranked above each token
+        drop_sorted = before >= b.top_p[:, None]                  # the first token always stays
+        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, b: SamplingBatch) -> SampleResult:
+    """Draws one token per row of `logits[B, V]` (float32)."""
+    raw = logits
+    if b.output_ids is not None:
+        logits = apply_penalties(logits, b)
+    if b.banned is not None:
+        logits = logits.index_put((torch.tensor(b.banned[0], device=logits.device),
+                                   torch.tensor(b.banned[1], device=logits.device)),
+                                  torch.tensor(float("-inf"), device=logits.device))
+    greedy_ids = logits.argmax(-1)
+    if b.all_greedy:
+        token_ids = greedy_ids
+    else:
+        temperature = torch.where(b.temperature > 0, b.temperature, 1.0)
+        scaled = _filter(logits / temperature[:, None], b)
+        probs = scaled.softmax(-1)
+        vocab = torch.arange(logits.shape[1], device=logits.device)
+        u = seeded_uniform(b.seeds, b.positions, vocab)
+        drawn = (probs / -torch.log(u)).argmax(-1)
+        token_ids = torch.where(b.temperature > 0, drawn, greedy_ids)
+
+    logprobs: list = [None] * logits.shape[0]
+    if b.logprobs_top_n is not None:
+        lp = raw.log_softmax(-1)
+        chosen = lp.gather(1, token_ids[:, None])[:, 0].tolist()
+        top_values, top_ids = lp.topk(b.logprobs_top_n, dim=-1)
+        logprobs = [(c, list(zip(i, v))) for c, i, v in zip(chosen, top_ids.tolist(), top_values.tolist())]
+    return SampleResult(token_ids.tolist(), logprobs)

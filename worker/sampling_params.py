@@ -1,0 +1,65 @@
+"""Per-request sampling parameters and their validation."""
+
+from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20
+
+
+class InvalidRequest(ValueError):
+    """A request field is out of range; the message names the field and what is allowed."""
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0          # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = -1                   # -1 disables
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None       # top-n logprobs per generated token; None: none
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, vocab_size: int | None = None) -> "SamplingParams":
+        """Raises InvalidRequest naming the first bad field; returns self when all are valid."""
+        def bad(name: str, allowed: str):
+            raise InvalidRequest(f"{name}={getattr(self, name)!r} is invalid: {allowed}")
+
+        if not isinstance(self.n, int) or not 1 <= self.n <= 128:
+            bad("n", "must be an integer in [1, 128]")
+        if not self.temperature >= 0.0 or self.temperature > 100.0:
+            bad("temperature", "must be in [0, 100] (0 = greedy)")
+        if not 0.0 < self.top_p <= 1.0:
+            bad("top_p", "must be in (0, 1]")
+        if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k != -1):
+            bad("top_k", "must be -1 (disabled) or an integer >= 1")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", "must be in [0, 1]")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            bad("presence_penalty", "must be in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            bad("frequency_penalty", "must be in [-2, 2]")
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            bad("repetition_penalty", "must be in (0, 10]")
+        if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**63):
+            bad("seed", "must be an integer in [0, 2^63)")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            bad("max_tokens", "must be an integer >= 1")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            bad("min_tokens", f"must be an integer in [0, max_tokens={self.max_tokens}]")
+        if self.logprobs is not None and not (isinstance(self.logprobs, int)
+                                              and 0 <= self.logprobs <= MAX_LOGPROBS):
+            bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
+        if vocab_size is not None and any(not 0 <= t < vocab_size for t in self.stop_token_ids):
+            bad("stop_token_ids", f"every id must be in [0, {vocab_size})")
+        return self

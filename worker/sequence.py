@@ -1,0 +1,64 @@
+"""One generated sequence: its tokens, progress, blocks and limits.
+
+A request with `n > 1` starts as one sequence; when its prompt has been computed the engine
+forks the other `n - 1`, which share the prompt's blocks.
+"""
+
+import enum
+from dataclasses import dataclass, field
+
+from worker.sampling_params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"       # EOS or a stop token
+    LENGTH = "length"   # max_tokens or max_model_len reached
+    ABORT = "abort"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    index: int                          # choice index within the request (n > 1)
+    prompt_len: int
+    token_ids: list[int]                # prompt followed by every generated token
+    params: SamplingParams
+    seed: int                           # sampling randomness = f(seed, position)
+    priority: int = 0
+    arrival: float = 0.0
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed: int = 0               # tokens whose K/V are in the pool
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # of the full blocks, chained
+    num_cached_tokens: int = 0          # prompt tokens served by the prefix cache
+    finish_reason: FinishReason | None = None
+    pending_fork: bool = False          # sequence 0 of an n > 1 request, not yet forked
+    max_len: int = 0                    # prompt + tokens allowed by max_tokens and the model
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len:]
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def key(self) -> tuple:
+        """Scheduling order: smaller runs first, and is preempted last."""
+        return (self.priority, self.arrival, self.index)
