@@ -8,8 +8,39 @@ token of the sequence including this step's queries (already written to the pool
 queries sit at positions `seq_lens[s] - q_len(s) ... seq_lens[s] - 1` and attend causally.
 """
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
+
+
+@dataclass
+class GatherPlan:
+    """Where each sequence's queries and context sit, as padded index tensors. It depends
+    only on the batch layout, so one plan serves every layer of a step."""
+    q_index: torch.Tensor      # [S, Q] row of q for each padded query
+    q_valid: torch.Tensor      # [S, Q] which padded queries are real
+    slots: torch.Tensor        # [S, L] pool slot of each context position
+    mask: torch.Tensor         # [S, 1, Q, L] causal and length mask
+
+
+def gather_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                max_query_len: int, max_seq_len: int, block_size: int, num_tokens: int) -> GatherPlan:
+    device = seq_lens.device
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    q_offsets = torch.arange(max_query_len, device=device)
+    q_valid = q_offsets[None, :] < q_lens[:, None]
+    q_index = (query_start_loc[:-1, None] + q_offsets[None, :]).clamp(max=num_tokens - 1).long()
+
+    num_ctx_blocks = (max_seq_len + block_size - 1) // block_size
+    slot_offsets = torch.arange(block_size, device=device)
+    slots = block_tables[:, :num_ctx_blocks, None].long() * block_size + slot_offsets
+    slots = slots.reshape(seq_lens.shape[0], -1)[:, :max_seq_len]
+
+    key_pos = torch.arange(max_seq_len, device=device)
+    query_pos = (seq_lens - q_lens)[:, None] + q_offsets[None, :]
+    mask = (key_pos[None, None, :] <= query_pos[:, :, None]) & (key_pos[None, None, :] < seq_lens[:, None, None])
+    return GatherPlan(q_index, q_valid, slots, mask[:, None])
 
 
 def paged_attention_ref(
@@ -22,43 +53,31 @@ def paged_attention_ref(
     max_query_len: int,
     max_seq_len: int,
     scale: float,
+    plan: GatherPlan | None = None,
 ) -> torch.Tensor:
     """Gathers each sequence's context into a padded batch and runs masked SDPA."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    num_seqs = seq_lens.shape[0]
-    device = q.device
-
-    q_lens = query_start_loc[1:] - query_start_loc[:-1]
-    q_offsets = torch.arange(max_query_len, device=device)
-    q_valid = q_offsets[None, :] < q_lens[:, None]                       # [S, Q]
-    q_index = (query_start_loc[:-1, None] + q_offsets[None, :]).clamp(max=num_tokens - 1)
-    q_pad = q[q_index].transpose(1, 2)                                   # [S, H, Q, D]
-
-    num_ctx_blocks = (max_seq_len + block_size - 1) // block_size
-    slot_offsets = torch.arange(block_size, device=device)
-    slots = block_tables[:, :num_ctx_blocks, None].long() * block_size + slot_offsets
-    slots = slots.reshape(num_seqs, -1)[:, :max_seq_len]                 # [S, L]
-    k = k_cache.view(-1, num_kv_heads, head_dim)[slots].transpose(1, 2)  # [S, KVH, L, D]
-    v = v_cache.view(-1, num_kv_heads, head_dim)[slots].transpose(1, 2)
-
-    key_pos = torch.arange(max_seq_len, device=device)
-    query_pos = (seq_lens - q_lens)[:, None] + q_offsets[None, :]        # [S, Q]
-    mask = (key_pos[None, None, :] <= query_pos[:, :, None]) & (
-        key_pos[None, None, :] < seq_lens[:, None, None]
-    )                                                                    # [S, Q, L]
+    if plan is None:
+        plan = gather_plan(block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len,
+                           block_size, num_tokens)
+    q_pad = q[plan.q_index].transpose(1, 2)                                   # [S, H, Q, D]
+    k = k_cache.view(-1, num_kv_heads, head_dim)[plan.slots].transpose(1, 2)  # [S, KVH, L, D]
+    v = v_cache.view(-1, num_kv_heads, head_dim)[plan.slots].transpose(1, 2)
     out = F.scaled_dot_product_attention(
-        q_pad, k.to(q.dtype), v.to(q.dtype), attn_mask=mask[:, None], scale=scale,
+        q_pad, k.to(q.dtype), v.to(q.dtype), attn_mask=plan.mask, scale=scale,
         enable_gqa=num_heads != num_kv_heads,
-    )                                                                    # [S, H, Q, D]
-    return out.transpose(1, 2)[q_valid]                                  # [T, H, D]
+    )                                                                         # [S, H, Q, D]
+    return out.transpose(1, 2)[plan.q_valid]                                  # [T, H, D]
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                    max_query_len: int, max_seq_len: int, scale: float) -> torch.Tensor:
+                    max_query_len: int, max_seq_len: int, scale: float,
+                    plan: GatherPlan | None = None) -> torch.Tensor:
+    """`plan` (CPU only) skips rebuilding the gather indices in every layer."""
     if q.is_cuda:
         from .triton_attention import paged_attention_triton
         return paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens,
                                       query_start_loc, max_query_len, max_seq_len, scale)
     return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                               max_query_len, max_seq_len, scale)
+                               max_query_len, max_seq_len, scale, plan)

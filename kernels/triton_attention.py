@@ -31,14 +31,16 @@ class AttentionConfig:
     decode_num_stages: int = 3
     num_splits: int | None = None
     prefill_block_m: int | None = None  # query rows (tokens x group heads) per program
-    prefill_block_n: int = 64
-    prefill_num_warps: int | None = None
-    prefill_num_stages: int = 2
+    prefill_block_n: int | None = None
+    prefill_num_warps: int = 4
+    prefill_num_stages: int | None = None
 
 
-# Enough programs for every SM to keep several tiles of K/V in flight.
-_DECODE_PROGRAMS_PER_SM = 8
-# A split shorter than this spends more on its partial result than on reading K/V.
+# Splitting pays until about three programs per SM are in the launch: on an H200, 512
+# unsplit programs (64 sequences x 8 KV heads x 4096 tokens) read K/V at 4.3 TB/s, and
+# each further split only adds partial results to write and merge.
+_DECODE_PROGRAMS_PER_SM = 3
+# Below this, a split is too short to amortise its pipeline prologue and partial result.
 _MIN_TOKENS_PER_SPLIT = 256
 
 
@@ -239,7 +241,7 @@ _num_sms_cache: dict[int, int] = {}
 
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
-        return 4  # the CPU interpreter: keep a few splits so tests exercise the reduction
+        return 8  # the CPU interpreter: enough for tests to exercise split decodes
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _num_sms_cache:
         _num_sms_cache[index] = torch.cuda.get_device_properties(index).multi_processor_count
@@ -273,6 +275,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     qk_scale = scale * 1.4426950408889634  # log2(e): the kernels use exp2
+    # fp32 matmuls as three TF32 products: about fp32 accuracy on tensor cores, where plain
+    # FMA tiles would spill registers. ("tf32" is the default, and a no-op, for 16-bit.)
     dot_precision = "tf32x3" if q.dtype == torch.float32 else "tf32"
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if num_tokens == 0 or num_seqs == 0:
@@ -302,17 +306,17 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             BLOCK_SPLITS=triton.next_power_of_2(num_splits))
 
     if max_query_len > 1:
-        block_m = cfg.prefill_block_m
-        if block_m is None:
-            # Short chunks get smaller tiles, so fewer rows are padding.
-            block_m = 64 if max_query_len * group_pad <= 64 or head_dim > 128 else 128
+        # Wide rows (fp32, head_dim over 128) need twice the shared memory per tile: halve
+        # the tiles. Short chunks get fewer rows, so fewer of them are padding.
+        wide = q.element_size() > 2 or head_dim > 128
+        block_m = cfg.prefill_block_m or (64 if wide or max_query_len * group_pad <= 64 else 128)
         block_m = max(block_m, group_pad)
         block_q = block_m // group_pad
         _prefill_kernel[(num_tokens // block_q + num_seqs, num_kv_heads)](
             out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, qk_scale,
             num_seqs, q.stride(0), q.stride(1), out.stride(0), out.stride(1), *pool_strides,
             GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_DIM=head_dim,
-            BLOCK_SIZE=block_size, BLOCK_N=cfg.prefill_block_n, DOT_PRECISION=dot_precision,
-            num_warps=cfg.prefill_num_warps or (8 if block_m >= 128 else 4),
-            num_stages=cfg.prefill_num_stages)
+            BLOCK_SIZE=block_size, BLOCK_N=cfg.prefill_block_n or (32 if wide else 64),
+            DOT_PRECISION=dot_precision, num_warps=cfg.prefill_num_warps,
+            num_stages=cfg.prefill_num_stages or (2 if wide else 3))
     return out

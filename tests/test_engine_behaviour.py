@@ -3,8 +3,7 @@
 import pytest
 from helpers import LONG_STORY, PROMPTS, generate, greedy
 
-from worker.engine import choice_seed
-from worker.sampling_params import InvalidRequest, SamplingParams
+from worker.sampling_params import InvalidRequest, SamplingParams, choice_seed
 from worker.sequence import FinishReason
 
 

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from kernels.activation import silu_and_mul, silu_and_mul_ref
 from kernels.attention import paged_attention, paged_attention_ref

@@ -18,6 +18,7 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor     # [num_seqs + 1] where each sequence's queries start
     max_query_len: int
     max_seq_len: int
+    gather_plan: object | None = None  # CPU attention's index plan, shared by all layers
 
 
 _current: AttentionMetadata | None = None

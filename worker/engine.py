@@ -13,16 +13,11 @@ from worker.kv_pool import BlockManager
 from worker.model_runner import ModelRunner
 from worker.models.loader import ModelSource, resolve_source
 from worker.sampler import SamplingBatch
-from worker.sampling_params import InvalidRequest, SamplingParams
+from worker.sampling_params import InvalidRequest, SamplingParams, choice_seed
 from worker.scheduler import Scheduler, ScheduledSeq
 from worker.sequence import FinishReason, Sequence, SeqStatus
 
 log = logging.getLogger("pagedserve.engine")
-
-
-def choice_seed(seed: int, index: int) -> int:
-    """The seed of choice `index` of a request: choice 0 keeps the request's seed."""
-    return seed if index == 0 else (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9) % 2**63
 
 
 @dataclass

@@ -10,6 +10,7 @@ import logging
 import numpy as np
 import torch
 
+from kernels.attention import gather_plan
 from kernels.cache import copy_blocks
 from worker.config import EngineConfig, ModelConfig, resolve_dtype
 from worker.context import AttentionMetadata, set_context
@@ -122,6 +123,10 @@ class ModelRunner:
             seq_lens=self._to_device(seq_lens.astype(np.int32)),
             query_start_loc=self._to_device(query_start_loc.astype(np.int32)),
             max_query_len=int(query_lens.max()), max_seq_len=int(seq_lens.max()))
+        if self.device.type == "cpu":
+            metadata.gather_plan = gather_plan(
+                metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
+                metadata.max_query_len, metadata.max_seq_len, bs, len(input_ids))
         return self._to_device(input_ids), self._to_device(positions), metadata
 
     @torch.inference_mode()

@@ -63,3 +63,9 @@ class SamplingParams:
         if vocab_size is not None and any(not 0 <= t < vocab_size for t in self.stop_token_ids):
             bad("stop_token_ids", f"every id must be in [0, {vocab_size})")
         return self
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice `index` of a request: choice 0 keeps the request's seed. Shared by
+    the engine (n > 1 in one request) and the router (n > 1 fanned out over Submits)."""
+    return seed if index == 0 else (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9) % 2**63

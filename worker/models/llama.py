@@ -52,7 +52,8 @@ class Attention(nn.Module):
         q, k = apply_rotary(positions, q, k, cos_sin)
         write_kv(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
         out = paged_attention(q, self.k_cache, self.v_cache, ctx.block_tables, ctx.seq_lens,
-                              ctx.query_start_loc, ctx.max_query_len, ctx.max_seq_len, self.scale)
+                              ctx.query_start_loc, ctx.max_query_len, ctx.max_seq_len, self.scale,
+                              ctx.gather_plan)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
