@@ -1,7 +1,8 @@
 """CPU benchmark of the embedded default: 32 concurrent requests x 128 new tokens, greedy,
-the engine against Hugging Face transformers' batched `generate` on the same machine and run.
+the engine against Hugging Face transformers' batched `generate` on the same machine and run,
+both in the same dtype.
 
-    python bench/cpu_bench.py [--requests 32] [--new-tokens 128] [--out result.json] [--skip-peer]
+    python bench/cpu_bench.py [--dtype float32|bfloat16] [--requests 32] [--new-tokens 128] [--out r.json]
 """
 
 import argparse
@@ -26,13 +27,13 @@ def make_prompts(count: int, seed: int = 0) -> list[str]:
     return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(16, 200))) for _ in range(count)]
 
 
-def bench_engine(prompts, new_tokens: int) -> dict:
+def bench_engine(prompts, new_tokens: int, dtype: str) -> dict:
     from worker.engine import LLMEngine
     from worker.config import EngineConfig
     from worker.models.loader import load_tokenizer
     from worker.sampling_params import SamplingParams
 
-    engine = LLMEngine(EngineConfig(model="default", device="cpu", dtype="float32"))
+    engine = LLMEngine(EngineConfig(model="default", device="cpu", dtype=dtype))
     tok = load_tokenizer(engine.source)
     ids = [tok.encode(p, add_special_tokens=False) for p in prompts]
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
@@ -50,13 +51,13 @@ def bench_engine(prompts, new_tokens: int) -> dict:
             "steps": engine.num_steps, "prompt_tokens": sum(map(len, ids))}
 
 
-def bench_transformers(prompts, new_tokens: int) -> dict:
+def bench_transformers(prompts, new_tokens: int, dtype: str) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from worker.models.loader import embedded_gguf_path
     path = embedded_gguf_path()
     folder, name = os.path.dirname(path), os.path.basename(path)
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=name, padding_side="left")
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=getattr(torch, dtype)).eval()
     batch = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     start = time.perf_counter()
     with torch.no_grad():
@@ -72,18 +73,20 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--out")
     parser.add_argument("--skip-peer", action="store_true")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="of both the engine and the peer")
     args = parser.parse_args()
     prompts = make_prompts(args.requests)
     result = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "threads": torch.get_num_threads(),
               "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                        text=True).stdout.strip(),
-              "engine": bench_engine(prompts, args.new_tokens)}
+              "dtype": args.dtype, "engine": bench_engine(prompts, args.new_tokens, args.dtype)}
     print(f"pagedserve engine: {result['engine']['tokens_per_s']:.1f} output tokens/s "
           f"({result['engine']['output_tokens']} in {result['engine']['seconds']:.1f}s)", flush=True)
     if not args.skip_peer:
         import transformers
         result["transformers_version"] = transformers.__version__
-        result["transformers"] = bench_transformers(prompts, args.new_tokens)
+        result["transformers"] = bench_transformers(prompts, args.new_tokens, args.dtype)
         result["ratio"] = result["engine"]["tokens_per_s"] / result["transformers"]["tokens_per_s"]
         print(f"transformers generate: {result['transformers']['tokens_per_s']:.1f} output tokens/s "
               f"({result['transformers']['output_tokens']} in {result['transformers']['seconds']:.1f}s); "

@@ -46,4 +46,5 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, src_to_dst: torch.Tensor) 
     """
     src_ids = src_to_dst[:, 0].long().to(src.device)
     dst_ids = src_to_dst[:, 1].long().to(dst.device)
-    dst[dst_ids] = src[src_ids].to(dst.device, non_blocking=True)
+    # Asynchronous only towards the device: a host destination is read right after the copy.
+    dst[dst_ids] = src[src_ids].to(dst.device, non_blocking=dst.device.type != "cpu")

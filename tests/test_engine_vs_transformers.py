@@ -40,11 +40,13 @@ def test_concurrent_greedy_matches_transformers_with_chunked_prefill(make_engine
     assert outputs(generate(engine, prompt_ids, greedy(NEW_TOKENS))) == reference
 
 
-def test_greedy_unchanged_under_repeated_preemption(make_engine, prompt_ids, reference):
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_greedy_unchanged_under_repeated_preemption(make_engine, prompt_ids, reference, mode):
     longest = max(len(ids) for ids in prompt_ids) + NEW_TOKENS
-    engine = make_engine(max_num_batched_tokens=128, num_blocks=-(-longest // 16) + 4)
+    engine = make_engine(max_num_batched_tokens=128, num_blocks=-(-longest // 16) + 4,
+                         preemption_mode=mode, num_swap_blocks=64)
     assert outputs(generate(engine, prompt_ids, greedy(NEW_TOKENS))) == reference
-    assert engine.scheduler.num_preemptions >= 3
+    assert engine.scheduler.num_preemptions[mode] >= 3
 
 
 @pytest.mark.parametrize("block_size", [8, 32])

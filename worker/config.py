@@ -60,6 +60,8 @@ class EngineConfig:
     kv_cache_memory_gb: float = 1.0       # KV pool size on the CPU
     num_blocks: int | None = None         # overrides the sizing (tests, benchmarks)
     swap_space_gb: float = 1.0            # host swap pool for preempted requests
+    num_swap_blocks: int | None = None    # overrides the swap sizing (tests)
+    preemption_mode: str = "swap"         # swap (when the swap pool has room) | recompute
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"       # fcfs | priority
     enforce_eager: bool = False
@@ -75,6 +77,8 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy={self.scheduling_policy!r} must be fcfs or priority")
+        if self.preemption_mode not in ("swap", "recompute"):
+            raise ValueError(f"preemption_mode={self.preemption_mode!r} must be swap or recompute")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks={self.num_blocks} must be >= 1")
         return self

@@ -6,15 +6,15 @@ Not thread-safe: one thread drives it (the worker server queues RPC commands to 
 import logging
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from worker.config import EngineConfig
-from worker.kv_pool import BlockManager
+from worker.kv_pool import BlockManager, SwapPool
 from worker.model_runner import ModelRunner
 from worker.models.loader import ModelSource, resolve_source
 from worker.sampler import SamplingBatch
 from worker.sampling_params import InvalidRequest, SamplingParams, choice_seed
-from worker.scheduler import Scheduler, ScheduledSeq
+from worker.scheduler import RECOMPUTE, SWAP, Scheduler, ScheduledSeq, SchedulerEvent
 from worker.sequence import FinishReason, Sequence, SeqStatus
 
 log = logging.getLogger("pagedserve.engine")
@@ -33,17 +33,28 @@ class RequestOutput:
 
 
 @dataclass
+class EngineEvent:
+    """A lifecycle change of one choice: admitted, preempted (mode swap or recompute), resumed."""
+    request_id: str
+    index: int
+    kind: str
+    mode: str | None = None
+
+
+@dataclass
 class EngineStats:
     total_blocks: int
     free_blocks: int
+    total_swap_blocks: int
+    free_swap_blocks: int
     num_running: int
     num_waiting: int
-    num_preemptions: int
+    num_swapped: int
+    preemptions: dict[str, int]
     prefix_queries: int
     prefix_hits: int
-    tokens_in_flight: int = 0
-    steps: int = 0
-    extra: dict = field(default_factory=dict)
+    tokens_in_flight: int
+    steps: int
 
 
 class LLMEngine:
@@ -57,7 +68,8 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings, pool_tokens)
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.blocks)
+        self.swap_pool = SwapPool(self.runner.num_swap_blocks)
+        self.scheduler = Scheduler(config, self.blocks, self.swap_pool)
         self.requests: dict[str, list[Sequence]] = {}
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         self.num_steps = 0
@@ -69,8 +81,12 @@ class LLMEngine:
     # ------------------------------------------------------------ requests
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0, arrival: float | None = None) -> None:
-        """Queues a request; raises InvalidRequest (naming the problem) if it can never run."""
+                    priority: int = 0, arrival: float | None = None,
+                    output_token_ids: list[int] = ()) -> None:
+        """Queues a request; raises InvalidRequest (naming the problem) if it can never run.
+
+        `output_token_ids`: tokens this request already generated elsewhere (a migrated
+        request); generation continues after them as if it had never moved."""
         params.validate(self.vocab_size)
         if request_id in self.requests:
             raise InvalidRequest(f"request_id {request_id!r} is already in use")
@@ -78,13 +94,15 @@ class LLMEngine:
             raise InvalidRequest("prompt is empty: give at least one token")
         if any(not 0 <= t < self.vocab_size for t in prompt_token_ids):
             raise InvalidRequest(f"prompt token ids must be in [0, {self.vocab_size})")
-        if len(prompt_token_ids) >= self.max_model_len:
+        if output_token_ids and params.n != 1:
+            raise InvalidRequest("a request resumed with output_token_ids must have n=1")
+        if len(prompt_token_ids) + len(output_token_ids) >= self.max_model_len:
             raise InvalidRequest(f"prompt has {len(prompt_token_ids)} tokens; the maximum is "
                                  f"{self.max_model_len - 1} (max_model_len {self.max_model_len} "
                                  f"leaves room for at least one generated token)")
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         seq = Sequence(request_id=request_id, index=0, prompt_len=len(prompt_token_ids),
-                       token_ids=list(prompt_token_ids), params=params, seed=seed,
+                       token_ids=list(prompt_token_ids) + list(output_token_ids), params=params, seed=seed,
                        priority=priority, arrival=time.monotonic() if arrival is None else arrival,
                        pending_fork=params.n > 1,
                        max_len=min(len(prompt_token_ids) + params.max_tokens, self.max_model_len))
@@ -100,14 +118,35 @@ class LLMEngine:
                 seq.status, seq.finish_reason = SeqStatus.FINISHED, FinishReason.ABORT
         return seqs is not None
 
+    def preempt(self, request_id: str, mode: str | None = None, hold: bool = False) -> list[str]:
+        """Takes a request's running choices off the device (swap or recompute, as the pool
+        allows); `hold` keeps swapped ones out until `swap_in`. Returns the modes used."""
+        modes = []
+        for seq in self.requests.get(request_id, ()):
+            if seq.status == SeqStatus.RUNNING:
+                modes.append(self.scheduler.preempt(seq, mode))
+            seq.held = hold and seq.status == SeqStatus.SWAPPED
+        return modes
+
+    def swap_in(self, request_id: str) -> None:
+        """Lets a request held in swap space come back as soon as the pool has room."""
+        for seq in self.requests.get(request_id, ()):
+            seq.held = False
+
+    def drain_events(self) -> list[EngineEvent]:
+        events, self.scheduler.events = self.scheduler.events, []
+        return [EngineEvent(e.seq.request_id, e.seq.index, e.kind, e.mode) for e in events]
+
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
     def stats(self) -> EngineStats:
+        sched = self.scheduler
         return EngineStats(
             total_blocks=self.blocks.num_blocks, free_blocks=self.blocks.num_free,
-            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-            num_preemptions=self.scheduler.num_preemptions, prefix_queries=self.blocks.prefix_queries,
+            total_swap_blocks=self.swap_pool.num_blocks, free_swap_blocks=self.swap_pool.num_free,
+            num_running=len(sched.running), num_waiting=len(sched.waiting), num_swapped=len(sched.swapped),
+            preemptions=dict(sched.num_preemptions), prefix_queries=self.blocks.prefix_queries,
             prefix_hits=self.blocks.prefix_hits, steps=self.num_steps,
             tokens_in_flight=sum(s.max_len for seqs in self.requests.values() for s in seqs))
 
@@ -115,6 +154,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
+        if plan.swaps:
+            self.runner.swap(plan.swaps)
         if not plan.scheduled:
             return []
         self.num_steps += 1

@@ -136,6 +136,25 @@ class BlockManager:
                 self.cached[h] = block.block_id
 
 
+class SwapPool:
+    """Host-memory blocks that hold the K/V of swapped-out sequences."""
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self.free = list(range(num_blocks))
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def take(self, count: int) -> list[int]:
+        taken, self.free = self.free[-count:] if count else [], self.free[:len(self.free) - count]
+        return taken
+
+    def give_back(self, block_ids: list[int]) -> None:
+        self.free.extend(block_ids)
+
+
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                       head_dim: int, dtype: torch.dtype, device: torch.device,
                       pin_memory: bool = False) -> torch.Tensor:

@@ -5,13 +5,14 @@ sequences (no per-token Python loop), copied to the device in one go, and the at
 metadata is published through `worker.context` for the duration of the forward.
 """
 
+import itertools
 import logging
 
 import numpy as np
 import torch
 
 from kernels.attention import gather_plan
-from kernels.cache import copy_blocks
+from kernels.cache import copy_blocks, swap_blocks
 from worker.config import EngineConfig, ModelConfig, resolve_dtype
 from worker.context import AttentionMetadata, set_context
 from worker.kv_pool import allocate_kv_cache
@@ -45,6 +46,11 @@ class ModelRunner:
                                           cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
         for layer, cache in zip(self.model.layers, self.kv_cache):
             layer.self_attn.k_cache, layer.self_attn.v_cache = cache[0], cache[1]
+        self.num_swap_blocks = (config.num_swap_blocks if config.num_swap_blocks is not None
+                                else int(config.swap_space_gb * 2**30) // self.block_bytes)
+        self.swap_cache = allocate_kv_cache(cfg.num_layers, self.num_swap_blocks, self.block_size,
+                                            cfg.num_kv_heads, cfg.head_dim, self.dtype, torch.device("cpu"),
+                                            pin_memory=self.device.type == "cuda")
         self.pending_copies: list[tuple[int, int]] = []
         log.info("model %s on %s (%s): %d KV blocks of %d tokens = %d tokens, %.2f GiB",
                  cfg.architecture, self.device, str(self.dtype).removeprefix("torch."), self.num_blocks,
@@ -128,6 +134,16 @@ class ModelRunner:
                 metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
                 metadata.max_query_len, metadata.max_seq_len, bs, len(input_ids))
         return self._to_device(input_ids), self._to_device(positions), metadata
+
+    def swap(self, moves: list[tuple[str, int, int]]) -> None:
+        """Runs block moves between the device pool and host swap space, in order, one
+        transfer per run of moves in the same direction."""
+        # The pools are [layers, K/V, blocks, ...]: put the block axis first for the copy.
+        pools = {"out": (self.kv_cache.transpose(0, 2), self.swap_cache.transpose(0, 2)),
+                 "in": (self.swap_cache.transpose(0, 2), self.kv_cache.transpose(0, 2))}
+        for direction, run in itertools.groupby(moves, key=lambda m: m[0]):
+            src, dst = pools[direction]
+            swap_blocks(src, dst, torch.tensor([(a, b) for _, a, b in run]))
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq], logits_rows: list[int],

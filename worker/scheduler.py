@@ -4,16 +4,28 @@ Every step takes the running sequences first (in priority order), giving each th
 still has to compute (one for a decode, a chunk for a prompt) while the token budget lasts,
 then admits waiting sequences with what is left. Prompt and generated tokens are the same
 thing here: a sequence just has tokens not yet computed. When the pool runs out of blocks the
-lowest-priority running sequence (the latest, under FCFS) is preempted: its blocks are freed
-and it waits to be recomputed, or it is swapped to host memory by the engine.
+lowest-priority running sequence (the latest, under FCFS) is preempted: its blocks are copied
+to host swap space when there is room (and brought back when the pool has room again), else
+they are freed and it waits to be recomputed.
 """
 
 import bisect
 from dataclasses import dataclass, field
 
 from worker.config import EngineConfig
-from worker.kv_pool import BlockManager
+from worker.kv_pool import BlockManager, SwapPool
 from worker.sequence import Sequence, SeqStatus
+
+SWAP, RECOMPUTE = "swap", "recompute"
+
+
+@dataclass
+class SchedulerEvent:
+    """A lifecycle change the router hears about: admitted, preempted (swap or recompute),
+    resumed."""
+    seq: Sequence
+    kind: str
+    mode: str | None = None
 
 
 @dataclass
@@ -30,6 +42,10 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # Block moves, to run in this order before the step: ("out", device block, host block)
+    # or ("in", host block, device block). Order matters: a block emptied by one move may be
+    # the destination of a later one.
+    swaps: list[tuple[str, int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -37,14 +53,20 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, swap_pool: SwapPool):
         self.max_num_seqs = config.max_num_seqs
         self.token_budget = config.max_num_batched_tokens
         self.priority_policy = config.scheduling_policy == "priority"
+        self.preemption_mode = config.preemption_mode
         self.blocks = block_manager
+        self.swap_pool = swap_pool
         self.waiting: list[Sequence] = []      # sorted by `_order`
         self.running: list[Sequence] = []
-        self.num_preemptions = 0
+        self.swapped: list[Sequence] = []
+        self.num_preemptions = {SWAP: 0, RECOMPUTE: 0}
+        self.events: list[SchedulerEvent] = []
+        # Block moves decided since the last step (by `schedule` or router-driven swaps).
+        self.pending_swaps: list[tuple[str, int, int]] = []
 
     def _order(self, seq: Sequence) -> tuple:
         return seq.key if self.priority_policy else (seq.arrival, seq.index)
@@ -59,22 +81,66 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status == SeqStatus.WAITING:
             self.waiting.remove(seq)
+        elif seq.status == SeqStatus.SWAPPED:
+            self.swapped.remove(seq)
+            self.swap_pool.give_back(seq.swap_blocks)
+            seq.swap_blocks = []
         self.blocks.free_seq(seq)
 
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting)
+        return bool(self.running or self.waiting or any(not s.held for s in self.swapped))
 
-    def preempt(self, seq: Sequence) -> None:
-        """Frees a running sequence's blocks and queues it to be recomputed."""
+    def preempt(self, seq: Sequence, mode: str | None = None) -> str:
+        """Takes a running sequence off the device: its blocks go to host swap space when the
+        mode allows and there is room, else they are freed and it waits to be recomputed.
+        Returns the mode used."""
+        mode = mode or self.preemption_mode
         self.running.remove(seq)
-        self.blocks.free_seq(seq)
-        seq.num_computed = 0
-        self.num_preemptions += 1
-        self.add(seq)
+        if mode != RECOMPUTE and self.swap_pool.num_free >= len(seq.block_table):
+            seq.swap_blocks = self.swap_pool.take(len(seq.block_table))
+            self.pending_swaps += [("out", d, h) for d, h in zip(seq.block_table, seq.swap_blocks)]
+            self.blocks.free_seq(seq)
+            seq.status = SeqStatus.SWAPPED
+            self.swapped.append(seq)
+            mode = SWAP
+        else:
+            self.blocks.free_seq(seq)
+            seq.num_computed = 0
+            self.add(seq)
+            mode = RECOMPUTE
+        seq.was_preempted = True
+        self.num_preemptions[mode] += 1
+        self.events.append(SchedulerEvent(seq, "preempted", mode))
+        return mode
+
+    def _swap_in(self) -> None:
+        """Brings swapped sequences back while the pool has room for them and a new token."""
+        self.swapped.sort(key=self._order)
+        for seq in [s for s in self.swapped if not s.held]:
+            if len(self.running) >= self.max_num_seqs or \
+                    self.blocks.num_free < len(seq.swap_blocks) + 1:
+                break
+            self.blocks.reserve(seq, seq.num_computed)
+            self.pending_swaps += [("in", h, d) for h, d in zip(seq.swap_blocks, seq.block_table)]
+            self.swap_pool.give_back(seq.swap_blocks)
+            seq.swap_blocks = []
+            self.swapped.remove(seq)
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            self.events.append(SchedulerEvent(seq, "resumed", SWAP))
+
+    def _admit(self, seq: Sequence) -> None:
+        self.waiting.remove(seq)
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+        self.events.append(SchedulerEvent(seq, "resumed" if seq.was_preempted else "admitted",
+                                          RECOMPUTE if seq.was_preempted else None))
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.token_budget
+        if self.swapped:
+            self._swap_in()
         self.running.sort(key=self._order)
 
         i = 0
@@ -101,9 +167,8 @@ class Scheduler:
             n = min(seq.num_uncomputed, budget)
             if not self.blocks.reserve(seq, seq.num_computed + n):
                 break
-            self.waiting.pop(0)
-            seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
+            self._admit(seq)
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
+        out.swaps, self.pending_swaps = self.pending_swaps, []
         return out

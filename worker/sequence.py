@@ -40,6 +40,9 @@ class Sequence:
     num_cached_tokens: int = 0          # prompt tokens served by the prefix cache
     finish_reason: FinishReason | None = None
     pending_fork: bool = False          # sequence 0 of an n > 1 request, not yet forked
+    swap_blocks: list[int] = field(default_factory=list)  # host blocks while SWAPPED
+    held: bool = False                  # swapped out on request: stays out until swapped in
+    was_preempted: bool = False         # its next admission is a resumption
     max_len: int = 0                    # prompt + tokens allowed by max_tokens and the model
 
     @property

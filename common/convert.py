@@ -1,0 +1,29 @@
+"""Conversions between protobuf messages and the engine's records, shared by router and worker."""
+
+from worker.sampling_params import SamplingParams
+
+
+def _f32(x: float) -> float:
+    """A proto float as the decimal the client most likely wrote (0.7, not 0.699999988)."""
+    return float(f"{x:.7g}")
+
+
+def sampling_params_from_proto(p) -> SamplingParams:
+    """`pagedserve.v1.SamplingParameters` -> SamplingParams, unset fields at their defaults.
+    Validation is left to `SamplingParams.validate`, so messages name the field."""
+    return SamplingParams(
+        n=p.n if p.HasField("n") else 1,
+        temperature=_f32(p.temperature) if p.HasField("temperature") else 1.0,
+        top_p=_f32(p.top_p) if p.HasField("top_p") else 1.0,
+        top_k=p.top_k if p.HasField("top_k") else -1,
+        min_p=_f32(p.min_p),
+        presence_penalty=_f32(p.presence_penalty),
+        frequency_penalty=_f32(p.frequency_penalty),
+        repetition_penalty=_f32(p.repetition_penalty) if p.HasField("repetition_penalty") else 1.0,
+        seed=p.seed if p.HasField("seed") else None,
+        max_tokens=p.max_tokens if p.HasField("max_tokens") else 16,
+        min_tokens=p.min_tokens,
+        stop_token_ids=list(p.stop_token_ids),
+        ignore_eos=p.ignore_eos,
+        logprobs=p.logprobs if p.HasField("logprobs") else None,
+    )

@@ -1,0 +1,428 @@
+"""The worker's gRPC service: `Info`, and one `Session` stream per router replica.
+
+The engine runs on its own thread (`EngineLoop`); RPC handlers never touch it directly but
+queue commands that the engine thread runs between steps, so a slow client or a burst of
+RPCs never stalls a step. After each step the engine thread hands every session one
+`StepOutput` with the deltas of all its requests; the asyncio side turns records into
+protobuf and writes them. Request ids are namespaced per session, so two routers can use
+the same ids.
+"""
+
+import argparse
+import asyncio
+import itertools
+import json
+import logging
+import os
+import queue
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from common.convert import sampling_params_from_proto
+from common.pb import worker_pb2 as pb
+from common.pb import worker_pb2_grpc
+from worker.config import EngineConfig
+from worker.engine import EngineStats, LLMEngine, RequestOutput
+from worker.models.loader import load_tokenizer
+from worker.sampling_params import InvalidRequest
+from worker.sequence import FinishReason
+
+log = logging.getLogger("pagedserve.worker")
+
+FINISH = {FinishReason.STOP: pb.FINISH_REASON_STOP, FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+          FinishReason.ABORT: pb.FINISH_REASON_ABORT, None: pb.FINISH_REASON_NONE}
+MODES = {"swap": pb.PREEMPTION_MODE_SWAP, "recompute": pb.PREEMPTION_MODE_RECOMPUTE, None: 0}
+EVENT_KINDS = {"admitted": pb.EVENT_KIND_ADMITTED, "preempted": pb.EVENT_KIND_PREEMPTED,
+               "resumed": pb.EVENT_KIND_RESUMED}
+MODE_NAMES = {pb.PREEMPTION_MODE_SWAP: "swap", pb.PREEMPTION_MODE_RECOMPUTE: "recompute"}
+LOAD_REPORT_INTERVAL_S = 0.2
+
+
+@dataclass(eq=False)
+class Session:
+    """One router's stream: its requests (engine keys) and its outbox."""
+    session_id: str
+    loop: asyncio.AbstractEventLoop
+    outbox: asyncio.Queue = field(default_factory=asyncio.Queue)
+    keys: set[str] = field(default_factory=set)
+    router_id: str = ""
+
+    def key(self, request_id: str) -> str:
+        return f"{self.session_id}/{request_id}"
+
+    def send(self, message: pb.WorkerMessage | None) -> None:
+        """Thread-safe: queues a message (None closes the stream) for the session's writer."""
+        self.loop.call_soon_threadsafe(self.outbox.put_nowait, message)
+
+
+def _delta(request_id: str, out: RequestOutput) -> pb.RequestDelta:
+    delta = pb.RequestDelta(request_id=request_id, new_token_ids=out.new_token_ids,
+                            finish_reason=FINISH[out.finish_reason], num_prompt_tokens=out.num_prompt_tokens)
+    for chosen, top in out.logprobs or ():
+        delta.logprobs.add(logprob=chosen, top_token_ids=[t for t, _ in top], top_logprobs=[lp for _, lp in top])
+    return delta
+
+
+def _event(request_id: str, kind: int, mode: str | None = None, message: str = "") -> pb.WorkerMessage:
+    return pb.WorkerMessage(event=pb.Event(request_id=request_id, kind=kind, mode=MODES[mode], message=message))
+
+
+class EngineLoop:
+    """Owns the engine on a dedicated thread; everything else talks to it with `call`."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self.commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self.wake = threading.Event()
+        self.owner: dict[str, Session] = {}        # engine key -> session
+        self.draining = False
+        self.stats: EngineStats = engine.stats()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped = True
+        self.wake.set()
+        self._thread.join(timeout=10)
+
+    def call(self, command: Callable[[], None]) -> None:
+        self.commands.put(command)
+        self.wake.set()
+
+    # ------------------------------------------------------------ the thread
+
+    def _run(self) -> None:
+        while not self._stopped:
+            self.wake.clear()
+            self._run_commands()
+            outputs = []
+            if self.engine.has_unfinished():
+                try:
+                    outputs = self.engine.step()
+                except Exception:
+                    log.exception("engine step failed; failing its requests")
+                    self._fail_all("internal error in the engine step (logged on the worker)")
+                self._publish(outputs)
+            self.stats = self.engine.stats()
+            if not outputs and not self.commands.qsize():
+                # Nothing ran (idle, or only held/unfittable work): sleep until a command.
+                self.wake.wait(timeout=0.05 if self.engine.has_unfinished() else 1.0)
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                command = self.commands.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                command()
+            except Exception:
+                log.exception("worker command failed")
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        by_session: dict[Session, list] = {}
+        finished = []
+        for out in outputs:
+            session = self.owner.get(out.request_id)
+            if session is None:
+                continue
+            request_id = out.request_id.split("/", 1)[1]
+            by_session.setdefault(session, []).append(_delta(request_id, out))
+            if out.finish_reason is not None:
+                finished.append((session, out.request_id, request_id))
+        for session, deltas in by_session.items():
+            session.send(pb.WorkerMessage(step=pb.StepOutput(step_index=self.engine.num_steps, deltas=deltas)))
+        for event in self.engine.drain_events():
+            session = self.owner.get(event.request_id)
+            if session is not None:
+                session.send(_event(event.request_id.split("/", 1)[1], EVENT_KINDS[event.kind], event.mode))
+        for session, key, request_id in finished:
+            self._forget(key)
+            session.send(_event(request_id, pb.EVENT_KIND_FINISHED))
+
+    def _forget(self, key: str) -> None:
+        session = self.owner.pop(key, None)
+        if session is not None:
+            session.keys.discard(key)
+
+    def _fail_all(self, message: str) -> None:
+        for key, session in list(self.owner.items()):
+            self.engine.abort(key)
+            self._forget(key)
+            session.send(_event(key.split("/", 1)[1], pb.EVENT_KIND_FAILED, message=message))
+
+    # ------------------------------------------------------------ commands (engine thread)
+
+    def submit(self, session: Session, msg: pb.Submit) -> None:
+        key = session.key(msg.request_id)
+        if self.draining:
+            session.send(_event(msg.request_id, pb.EVENT_KIND_PREEMPTED, "recompute", "draining"))
+            return
+        try:
+            params = sampling_params_from_proto(msg.params)
+            if params.n != 1:
+                raise InvalidRequest(f"n={params.n} is invalid: a Submit carries one choice (n=1); "
+                                     "the router fans out n > 1")
+            self.engine.add_request(key, list(msg.prompt_token_ids), params, priority=msg.priority,
+                                    output_token_ids=list(msg.output_token_ids))
+        except InvalidRequest as e:
+            session.send(_event(msg.request_id, pb.EVENT_KIND_FAILED, message=str(e)))
+            return
+        self.owner[key] = session
+        session.keys.add(key)
+
+    def abort(self, session: Session, request_ids) -> None:
+        for request_id in request_ids:
+            key = session.key(request_id)
+            if self.engine.abort(key):
+                self._forget(key)
+                session.send(pb.WorkerMessage(step=pb.StepOutput(
+                    step_index=self.engine.num_steps,
+                    deltas=[pb.RequestDelta(request_id=request_id, finish_reason=pb.FINISH_REASON_ABORT)])))
+
+    def preempt(self, session: Session, request_id: str, mode: str | None, hold: bool = False) -> None:
+        self.engine.preempt(session.key(request_id), mode, hold)
+        self._publish([])
+
+    def swap_in(self, session: Session, request_id: str) -> None:
+        self.engine.swap_in(session.key(request_id))
+
+    def drain(self) -> None:
+        """Stops admitting and hands every request back to its router for re-dispatch."""
+        if not self.draining:
+            log.info("draining: %d requests handed back", len(self.owner))
+        self.draining = True
+        sessions = set(self.owner.values())
+        for key, session in list(self.owner.items()):
+            self.engine.abort(key)
+            self._forget(key)
+            session.send(_event(key.split("/", 1)[1], pb.EVENT_KIND_PREEMPTED, "recompute", "draining"))
+        for session in sessions | self.sessions_alive():
+            session.send(_event("", pb.EVENT_KIND_DRAINED))
+
+    def close_session(self, session: Session) -> None:
+        for key in list(session.keys):
+            self.engine.abort(key)
+            self._forget(key)
+        if session.keys:
+            log.info("session %s closed", session.session_id)
+
+    # Sessions are registered by the service so drain can tell idle ones too.
+    sessions_alive: Callable[[], set[Session]] = staticmethod(lambda: set())
+
+
+class WorkerService(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, engine: LLMEngine, worker_id: str, model_name: str):
+        self.engine = engine
+        self.loop = EngineLoop(engine)
+        self.loop.sessions_alive = lambda: set(self.sessions)
+        self.worker_id = worker_id
+        self.sessions: set[Session] = set()
+        self._session_ids = itertools.count(1)
+        self.info = self._build_info(model_name)
+
+    def _build_info(self, model_name: str) -> pb.InfoResponse:
+        e, cfg = self.engine, self.engine.model_config
+        info = pb.InfoResponse(
+            worker_id=self.worker_id, model_name=model_name, architecture=cfg.architecture,
+            dtype=str(e.runner.dtype).removeprefix("torch."), block_size=e.config.block_size,
+            num_gpu_blocks=e.blocks.num_blocks, num_cpu_blocks=e.swap_pool.num_blocks,
+            max_model_len=e.max_model_len, max_num_seqs=e.config.max_num_seqs,
+            max_num_batched_tokens=e.config.max_num_batched_tokens, vocab_size=cfg.vocab_size,
+            eos_token_ids=sorted(e.eos_token_ids), tensor_parallel_size=1,
+            prefix_caching=e.config.enable_prefix_caching)
+        tokenizer = load_tokenizer(e.source)
+        if tokenizer is not None:
+            info.tokenizer_json = tokenizer.backend_tokenizer.to_str().encode()
+            info.tokenizer_config_json = json.dumps({
+                name: getattr(tokenizer, name) for name in ("bos_token", "eos_token", "unk_token", "pad_token")
+                if getattr(tokenizer, name, None) is not None} | {"model_max_length": e.max_model_len})
+            info.chat_template = tokenizer.chat_template or ""
+            info.bos_token = tokenizer.bos_token or ""
+            info.eos_token = tokenizer.eos_token or ""
+        return info
+
+    async def Info(self, request, context) -> pb.InfoResponse:
+        return self.info
+
+    async def Session(self, request_iterator, context):
+        session = Session(f"s{next(self._session_ids)}", asyncio.get_running_loop())
+        self.sessions.add(session)
+        reader = asyncio.create_task(self._read(request_iterator, session))
+        reporter = asyncio.create_task(self._report_load(session))
+        try:
+            while (message := await session.outbox.get()) is not None:
+                yield message
+        finally:
+            reader.cancel()
+            reporter.cancel()
+            self.sessions.discard(session)
+            self.loop.call(lambda: self.loop.close_session(session))
+
+    async def _read(self, request_iterator, session: Session) -> None:
+        loop = self.loop
+        try:
+            async for msg in request_iterator:
+                kind = msg.WhichOneof("kind")
+                if kind == "hello":
+                    session.router_id = msg.hello.router_id
+                    log.info("session %s opened by router %s", session.session_id, session.router_id)
+                elif kind == "submit":
+                    loop.call(lambda m=msg.submit: loop.submit(session, m))
+                elif kind == "abort":
+                    loop.call(lambda ids=list(msg.abort.request_ids): loop.abort(session, ids))
+                elif kind == "preempt":
+                    mode = MODE_NAMES.get(msg.preempt.mode)
+                    loop.call(lambda r=msg.preempt.request_id: loop.preempt(session, r, mode))
+                elif kind == "swap_out":
+                    for r in msg.swap_out.request_ids:
+                        loop.call(lambda r=r: loop.preempt(session, r, "swap", hold=True))
+                elif kind == "swap_in":
+                    for r in msg.swap_in.request_ids:
+                        loop.call(lambda r=r: loop.swap_in(session, r))
+                elif kind == "drain":
+                    loop.call(loop.drain)
+        except (asyncio.CancelledError, grpc.aio.AioRpcError):
+            pass
+        finally:
+            session.outbox.put_nowait(None)     # the router closed its side: end the stream
+
+    async def _report_load(self, session: Session) -> None:
+        while True:
+            s = self.loop.stats
+            hit_rate = s.prefix_hits / s.prefix_queries if s.prefix_queries else 0.0
+            session.outbox.put_nowait(pb.WorkerMessage(load=pb.LoadReport(
+                free_blocks=s.free_blocks, used_blocks=s.total_blocks - s.free_blocks,
+                total_blocks=s.total_blocks, num_running=s.num_running, num_waiting=s.num_waiting,
+                num_swapped=s.num_swapped, tokens_in_flight=s.tokens_in_flight,
+                free_swap_blocks=s.free_swap_blocks, draining=self.loop.draining,
+                prefix_cache_hit_rate=hit_rate)))
+            await asyncio.sleep(LOAD_REPORT_INTERVAL_S)
+
+
+async def serve_worker(config: EngineConfig, host: str, port: int, worker_id: str | None = None,
+                       model_name: str | None = None, ready: Callable[[int], None] | None = None) -> None:
+    """Loads the model, serves until SIGTERM/SIGINT, then drains and stops."""
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection
+
+    started = time.monotonic()
+    engine = LLMEngine(config)
+    service = WorkerService(engine, worker_id or f"{socket.gethostname()}:{port}",
+                            model_name or engine.source.name)
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 * 2**20),
+                                      ("grpc.max_send_message_length", 64 * 2**20)])
+    worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    service_name = pb.DESCRIPTOR.services_by_name["Worker"].full_name
+    reflection.enable_server_reflection([service_name, reflection.SERVICE_NAME, health.SERVICE_NAME], server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise RuntimeError(f"cannot listen on {host}:{port}")
+    service.loop.start()
+    await server.start()
+    for name in ("", service_name):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("worker %s serving %s on %s:%d (%d KV blocks of %d tokens, max_model_len %d) after %.1fs",
+             service.worker_id, service.info.model_name, host, bound, service.info.num_gpu_blocks,
+             config.block_size, engine.max_model_len, time.monotonic() - started)
+    if ready:
+        ready(bound)
+
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("shutting down: draining %d requests", len(service.loop.owner))
+    for name in ("", service_name):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    service.loop.call(service.loop.drain)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(not s.outbox.empty() for s in service.sessions):
+        await asyncio.sleep(0.05)
+    await server.stop(grace=1)
+    service.loop.stop()
+
+
+def run_worker(config: EngineConfig, host: str = "0.0.0.0", port: int = 50061, worker_id: str | None = None,
+               model_name: str | None = None) -> None:
+    try:
+        import uvloop
+        uvloop.install()
+    except ImportError:
+        pass
+    asyncio.run(serve_worker(config, host, port, worker_id, model_name))
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
+        block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory_gb=args.kv_cache_memory_gb,
+        num_blocks=args.num_blocks, swap_space_gb=args.swap_space, num_swap_blocks=args.num_swap_blocks,
+        preemption_mode=args.preemption_mode, enable_prefix_caching=args.enable_prefix_caching,
+        scheduling_policy=args.scheduling_policy, enforce_eager=args.enforce_eager)
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Engine flags (vLLM names where the meaning is the same); each also reads PAGEDSERVE_<NAME>."""
+    env = lambda name, default: os.environ.get(f"PAGEDSERVE_{name.upper()}", default)  # noqa: E731
+    flag = lambda s: s.lower() in ("1", "true", "yes", "on")  # noqa: E731
+    d = EngineConfig(model="default")
+    a = parser.add_argument
+    a("--model", default=env("model", "default"), help="Hugging Face directory, .gguf file, preset "
+      "name with --load-format dummy, or 'default' (the embedded SmolLM2-135M-Instruct)")
+    a("--load-format", default=env("load_format", d.load_format), choices=["auto", "hf", "gguf", "dummy"],
+      help="how to read the weights; dummy = random weights of the model's shape")
+    a("--dtype", default=env("dtype", d.dtype), help="auto (bfloat16 on GPU, float32 on CPU), float32, float16, bfloat16")
+    a("--device", default=env("device", d.device), help="auto, cpu or cuda")
+    a("--block-size", type=int, default=int(env("block_size", d.block_size)), help="tokens per KV block")
+    a("--max-num-seqs", type=int, default=int(env("max_num_seqs", d.max_num_seqs)), help="sequences per step")
+    a("--max-num-batched-tokens", type=int, default=int(env("max_num_batched_tokens", d.max_num_batched_tokens)),
+      help="token budget of one step (prefill chunks + decodes)")
+    a("--max-model-len", type=int, default=env("max_model_len", None), help="context limit (default: the model's)")
+    a("--gpu-memory-utilization", type=float, default=float(env("gpu_memory_utilization", d.gpu_memory_utilization)),
+      help="share of GPU memory for weights, activations and the KV pool")
+    a("--kv-cache-memory-gb", type=float, default=float(env("kv_cache_memory_gb", d.kv_cache_memory_gb)),
+      help="KV pool size on the CPU, in GiB")
+    a("--num-blocks", type=int, default=env("num_blocks", None), help="KV pool size in blocks (overrides the sizing)")
+    a("--swap-space", type=float, default=float(env("swap_space", d.swap_space_gb)),
+      help="host swap space for preempted requests, in GiB")
+    a("--num-swap-blocks", type=int, default=env("num_swap_blocks", None), help="swap space in blocks (overrides)")
+    a("--preemption-mode", default=env("preemption_mode", d.preemption_mode), choices=["swap", "recompute"],
+      help="swap: to host memory when there is room, else recompute")
+    a("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+      default=flag(env("enable_prefix_caching", "true")), help="share KV blocks of equal prompt prefixes")
+    a("--scheduling-policy", default=env("scheduling_policy", d.scheduling_policy), choices=["fcfs", "priority"])
+    a("--enforce-eager", action="store_true", default=flag(env("enforce_eager", "false")),
+      help="no CUDA graphs")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m worker.server", description="pagedserve worker")
+    add_engine_args(parser)
+    parser.add_argument("--host", default=os.environ.get("PAGEDSERVE_HOST", "0.0.0.0"))
+    parser.add_argument("--port", type=int, default=int(os.environ.get("PAGEDSERVE_WORKER_PORT", 50061)))
+    parser.add_argument("--worker-id", default=os.environ.get("PAGEDSERVE_WORKER_ID"))
+    parser.add_argument("--served-model-name", default=os.environ.get("PAGEDSERVE_SERVED_MODEL_NAME"))
+    args = parser.parse_args(argv)
+    for name in ("max_model_len", "num_blocks", "num_swap_blocks"):
+        if getattr(args, name) is not None:
+            setattr(args, name, int(getattr(args, name)))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    run_worker(engine_config_from_args(args), args.host, args.port, args.worker_id, args.served_model_name)
+
+
+if __name__ == "__main__":
+    main()
