@@ -2,16 +2,18 @@
 
 import torch
 
-from worker.sampler import SamplingBatch, apply_penalties, sample, seeded_uniform
+from worker.sampler import SamplingBatch, SamplingRow, apply_penalties, sample, seeded_uniform
 from worker.sampling_params import SamplingParams
 
 V = 8
 
 
 def batch(*params: SamplingParams, seeds=None, outputs=None, prompts=None, banned=None):
-    rows = [(p, (seeds or [0] * len(params))[i], 10, (prompts or [[]] * len(params))[i],
-             (outputs or [[]] * len(params))[i], (banned or [[]] * len(params))[i])
-            for i, p in enumerate(params)]
+    rows = []
+    for i, p in enumerate(params):
+        prompt, output = (prompts or [[]] * len(params))[i], (outputs or [[]] * len(params))[i]
+        rows.append(SamplingRow(p, (seeds or [0] * len(params))[i], 10, prompt + output, len(prompt),
+                                (banned or [[]] * len(params))[i]))
     return SamplingBatch.build(rows, V, torch.device("cpu"))
 
 

@@ -12,7 +12,7 @@ from worker.config import EngineConfig
 from worker.kv_pool import BlockManager, SwapPool
 from worker.model_runner import ModelRunner
 from worker.models.loader import ModelSource, resolve_source
-from worker.sampler import SamplingBatch
+from worker.sampler import SamplingBatch, SamplingRow
 from worker.sampling_params import InvalidRequest, SamplingParams, choice_seed
 from worker.scheduler import RECOMPUTE, SWAP, Scheduler, ScheduledSeq, SchedulerEvent
 from worker.sequence import FinishReason, Sequence, SeqStatus
@@ -64,9 +64,7 @@ class LLMEngine:
         self.source = source or resolve_source(config.model, config.load_format)
         self.runner = ModelRunner(config, self.source, loaded)
         self.model_config = self.runner.model_config
-        pool_tokens = self.runner.num_blocks * config.block_size
-        self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
-                                 self.model_config.max_position_embeddings, pool_tokens)
+        self.max_model_len = self.runner.max_model_len
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.swap_pool = SwapPool(self.runner.num_swap_blocks)
         self.scheduler = Scheduler(config, self.blocks, self.swap_pool)
@@ -185,12 +183,12 @@ class LLMEngine:
                 draw += 1
         return outputs
 
-    def _sampling_row(self, seq: Sequence, seed: int):
+    def _sampling_row(self, seq: Sequence, seed: int) -> SamplingRow:
         p = seq.params
         banned = []
         if seq.num_output < p.min_tokens:
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(self.eos_token_ids))
-        return (p, seed, seq.num_tokens, seq.token_ids[:seq.prompt_len], seq.output_ids, banned)
+        return SamplingRow(p, seed, seq.num_tokens, seq.token_ids, seq.prompt_len, banned)
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """Creates choices 1..n-1 of a request whose prompt is now computed. They share the

@@ -15,6 +15,7 @@ from kernels.attention import gather_plan
 from kernels.cache import copy_blocks, swap_blocks
 from worker.config import EngineConfig, ModelConfig, resolve_dtype
 from worker.context import AttentionMetadata, set_context
+from worker.cuda_graphs import DecodeGraphs
 from worker.kv_pool import allocate_kv_cache
 from worker.models.loader import ModelSource, load_model
 from worker.sampler import SampleResult, SamplingBatch, sample
@@ -52,10 +53,38 @@ class ModelRunner:
                                             cfg.num_kv_heads, cfg.head_dim, self.dtype, torch.device("cpu"),
                                             pin_memory=self.device.type == "cuda")
         self.pending_copies: list[tuple[int, int]] = []
+        self.graphs = None
+        if self.device.type == "cuda":
+            self._alloc_staging()
+            if not config.enforce_eager:
+                self.graphs = DecodeGraphs(
+                    self.model, min(config.max_num_seqs, config.max_num_batched_tokens),
+                    self.max_blocks_per_seq, self.max_model_len, cfg.hidden_size, self.dtype, self.device)
+                self.graphs.capture()
         log.info("model %s on %s (%s): %d KV blocks of %d tokens = %d tokens, %.2f GiB",
                  cfg.architecture, self.device, str(self.dtype).removeprefix("torch."), self.num_blocks,
                  self.block_size, self.num_blocks * self.block_size, self.kv_cache.numel()
                  * self.kv_cache.element_size() / 2**30)
+
+    @property
+    def max_model_len(self) -> int:
+        cfg = self.model_config
+        return min(self.config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings,
+                   self.num_blocks * self.block_size)
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+    def _alloc_staging(self) -> None:
+        """Pinned host buffers the step inputs are written into, then copied asynchronously."""
+        tokens, seqs = self.config.max_num_batched_tokens, self.config.max_num_seqs
+        pinned = lambda *shape, dt: torch.zeros(*shape, dtype=dt).pin_memory()  # noqa: E731
+        self.staging = {
+            "input_ids": pinned(tokens, dt=torch.int64), "positions": pinned(tokens, dt=torch.int64),
+            "slot_mapping": pinned(tokens, dt=torch.int64), "seq_lens": pinned(seqs, dt=torch.int32),
+            "query_start_loc": pinned(seqs + 1, dt=torch.int32),
+            "block_tables": pinned(seqs * self.max_blocks_per_seq, dt=torch.int32)}
 
     @property
     def block_bytes(self) -> int:
@@ -78,7 +107,7 @@ class ModelRunner:
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         set_context(AttentionMetadata(
             slot_mapping=torch.full((n,), -1, dtype=torch.long, device=self.device),
-            block_tables=torch.zeros(1, 1, dtype=torch.int32, device=self.device),
+            block_tables=torch.zeros(1, -(-n // self.block_size), dtype=torch.int32, device=self.device),
             seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
             query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
             max_query_len=n, max_seq_len=n))
@@ -100,11 +129,15 @@ class ModelRunner:
                                f"--gpu-memory-utilization or lower --max-num-batched-tokens")
         return int(available // self.block_bytes)
 
-    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+    def _to_device(self, array: np.ndarray, name: str) -> torch.Tensor:
         tensor = torch.from_numpy(array)
-        if self.device.type == "cuda":
-            return tensor.pin_memory().to(self.device, non_blocking=True)
-        return tensor
+        if self.device.type != "cuda" or array.size > self.staging[name].numel():
+            return tensor.to(self.device)
+        # Safe to overwrite: the previous step's copies finished before its sampled tokens
+        # reached the host.
+        staged = self.staging[name][:array.size].view(array.shape)
+        staged.numpy()[...] = array
+        return staged.to(self.device, non_blocking=True)
 
     def prepare(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         bs = self.block_size
@@ -124,16 +157,20 @@ class ModelRunner:
             block_tables[i, :len(s.seq.block_table)] = s.seq.block_table
         slot_mapping = block_tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
         metadata = AttentionMetadata(
-            slot_mapping=self._to_device(slot_mapping),
-            block_tables=self._to_device(block_tables),
-            seq_lens=self._to_device(seq_lens.astype(np.int32)),
-            query_start_loc=self._to_device(query_start_loc.astype(np.int32)),
+            slot_mapping=self._to_device(slot_mapping, "slot_mapping"),
+            block_tables=self._to_device(block_tables, "block_tables"),
+            seq_lens=self._to_device(seq_lens.astype(np.int32), "seq_lens"),
+            query_start_loc=self._to_device(query_start_loc.astype(np.int32), "query_start_loc"),
             max_query_len=int(query_lens.max()), max_seq_len=int(seq_lens.max()))
+        if self.device.type == "cuda" and metadata.max_query_len == 1:
+            # Decode kernels split the context by this bound; CUDA graphs must use the largest
+            # one, and eager decodes use it too so both paths compute the same numbers.
+            metadata.max_seq_len = self.max_model_len
         if self.device.type == "cpu":
             metadata.gather_plan = gather_plan(
                 metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
                 metadata.max_query_len, metadata.max_seq_len, bs, len(input_ids))
-        return self._to_device(input_ids), self._to_device(positions), metadata
+        return self._to_device(input_ids, "input_ids"), self._to_device(positions, "positions"), metadata
 
     def swap(self, moves: list[tuple[str, int, int]]) -> None:
         """Runs block moves between the device pool and host swap space, in order, one
@@ -155,11 +192,14 @@ class ModelRunner:
                         torch.tensor(self.pending_copies, device=self.device))
             self.pending_copies.clear()
         input_ids, positions, metadata = self.prepare(scheduled)
-        set_context(metadata)
-        try:
-            hidden = self.model(input_ids, positions)
-        finally:
-            set_context(None)
+        if self.graphs and metadata.max_query_len == 1 and self.graphs.fits(len(scheduled)):
+            hidden = self.graphs.run(input_ids, positions, metadata)
+        else:
+            set_context(metadata)
+            try:
+                hidden = self.model(input_ids, positions)
+            finally:
+                set_context(None)
         if not logits_rows:
             return None
         last = metadata.query_start_loc[1:].long() - 1

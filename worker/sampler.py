@@ -34,17 +34,31 @@ def seeded_uniform(seeds: torch.Tensor, positions: torch.Tensor, token_ids: torc
 
 
 @dataclass
+class SamplingRow:
+    """What sampling needs of one sequence; its token lists are read only when a penalty
+    asks for them (copying them every step would cost O(length) per sequence)."""
+    params: SamplingParams
+    seed: int
+    position: int                   # of the token being drawn
+    token_ids: list[int]            # prompt followed by the generated tokens
+    prompt_len: int
+    banned: list[int]               # ids masked for min_tokens
+
+
+@dataclass
 class SamplingBatch:
     """The sampling parameters of one step's rows as device tensors."""
-    temperature: torch.Tensor       # [B] float, 0 = greedy
-    top_k: torch.Tensor             # [B] int, vocab size when disabled
-    top_p: torch.Tensor
-    min_p: torch.Tensor
-    seeds: torch.Tensor             # [B] int64
-    positions: torch.Tensor         # [B] position of the token being drawn
-    presence: torch.Tensor
-    frequency: torch.Tensor
-    repetition: torch.Tensor
+    # Per-row tensors; the sampling ones are None for an all-greedy batch, the penalty ones
+    # when no row has a penalty.
+    temperature: torch.Tensor | None   # [B] float, 0 = greedy
+    top_k: torch.Tensor | None         # [B] int, vocab size when disabled
+    top_p: torch.Tensor | None
+    min_p: torch.Tensor | None
+    seeds: torch.Tensor | None         # [B] int64
+    positions: torch.Tensor | None     # [B] position of the token being drawn
+    presence: torch.Tensor | None
+    frequency: torch.Tensor | None
+    repetition: torch.Tensor | None
     output_ids: torch.Tensor | None  # [B, L] padded with -1, only when penalties are used
     prompt_ids: torch.Tensor | None  # [B, L'] padded with -1, only for repetition penalty
     banned: tuple[list[int], list[int]] | None  # (rows, token ids) masked for min_tokens
@@ -54,10 +68,8 @@ class SamplingBatch:
     logprobs_top_n: int | None      # widest top-n asked for; None: no row wants logprobs
 
     @classmethod
-    def build(cls, rows: list[tuple[SamplingParams, int, int, list[int], list[int], list[int]]],
-              vocab_size: int, device: torch.device) -> "SamplingBatch":
-        """`rows`: (params, seed, position, prompt ids, output ids, ids banned for min_tokens)."""
-        params = [r[0] for r in rows]
+    def build(cls, rows: list[SamplingRow], vocab_size: int, device: torch.device) -> "SamplingBatch":
+        params = [r.params for r in rows]
         f32 = lambda xs: torch.tensor(xs, dtype=torch.float32, device=device)  # noqa: E731
         penalties = any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
                         for p in params)
@@ -67,21 +79,27 @@ class SamplingBatch:
             width = max(1, max(len(x) for x in lists))
             return torch.tensor([x + [-1] * (width - len(x)) for x in lists], dtype=torch.long, device=device)
 
-        banned_rows = [i for i, r in enumerate(rows) for _ in r[5]]
-        banned_ids = [t for r in rows for t in r[5]]
+        banned_rows = [i for i, r in enumerate(rows) for _ in r.banned]
+        banned_ids = [t for r in rows for t in r.banned]
+        all_greedy = all(p.greedy for p in params)
+        # A greedy batch needs none of the per-row tensors: skip their host-to-device copies.
+        needs = lambda flag, make: make() if flag else None  # noqa: E731
         return cls(
-            temperature=f32([p.temperature for p in params]),
-            top_k=torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params], device=device),
-            top_p=f32([p.top_p for p in params]), min_p=f32([p.min_p for p in params]),
-            seeds=torch.tensor([r[1] for r in rows], dtype=torch.long, device=device),
-            positions=torch.tensor([r[2] for r in rows], dtype=torch.long, device=device),
-            presence=f32([p.presence_penalty for p in params]),
-            frequency=f32([p.frequency_penalty for p in params]),
-            repetition=f32([p.repetition_penalty for p in params]),
-            output_ids=padded([r[4] for r in rows]) if penalties else None,
-            prompt_ids=padded([r[3] for r in rows]) if repetition else None,
+            temperature=needs(not all_greedy, lambda: f32([p.temperature for p in params])),
+            top_k=needs(not all_greedy, lambda: torch.tensor(
+                [p.top_k if p.top_k > 0 else vocab_size for p in params], device=device)),
+            top_p=needs(not all_greedy, lambda: f32([p.top_p for p in params])),
+            min_p=needs(not all_greedy, lambda: f32([p.min_p for p in params])),
+            seeds=needs(not all_greedy, lambda: torch.tensor([r.seed for r in rows], dtype=torch.long, device=device)),
+            positions=needs(not all_greedy, lambda: torch.tensor([r.position for r in rows], dtype=torch.long,
+                                                                   device=device)),
+            presence=needs(penalties, lambda: f32([p.presence_penalty for p in params])),
+            frequency=needs(penalties, lambda: f32([p.frequency_penalty for p in params])),
+            repetition=needs(penalties, lambda: f32([p.repetition_penalty for p in params])),
+            output_ids=needs(penalties, lambda: padded([r.token_ids[r.prompt_len:] for r in rows])),
+            prompt_ids=needs(repetition, lambda: padded([r.token_ids[:r.prompt_len] for r in rows])),
             banned=(banned_rows, banned_ids) if banned_ids else None,
-            all_greedy=all(p.greedy for p in params),
+            all_greedy=all_greedy,
             any_top_k=any(0 < p.top_k < vocab_size for p in params),
             any_top_p_or_min_p=any(p.top_p < 1.0 or p.min_p > 0.0 for p in params),
             logprobs_top_n=max((p.logprobs for p in params if p.logprobs is not None), default=None),

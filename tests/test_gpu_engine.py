@@ -1,0 +1,86 @@
+"""The engine on an NVIDIA GPU: logits against transformers, CUDA graphs against eager."""
+
+import pytest
+import torch
+
+from worker.config import EngineConfig
+from worker.engine import LLMEngine
+from worker.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+
+def tiny_llama(tmp_path, dtype=torch.float32):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.1)
+    model.save_pretrained(tmp_path)
+    return model.eval()
+
+
+def engine_for(path, dtype: str, **kw) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(path), device="cuda", dtype=dtype, num_blocks=256,
+                                  max_num_seqs=32, max_num_batched_tokens=1024, **kw))
+
+
+def test_teacher_forced_logits_match_transformers_fp32(tmp_path):
+    hf = tiny_llama(tmp_path).cuda()
+    ids = torch.randint(0, 512, (300,), generator=torch.Generator().manual_seed(1)).tolist()
+    ours = engine_for(tmp_path, "float32", enforce_eager=True).prompt_logits(ids)
+    with torch.no_grad():
+        theirs = hf(torch.tensor([ids], device="cuda")).logits[0]
+    torch.testing.assert_close(ours, theirs.float(), atol=2e-3, rtol=2e-3)
+
+
+def test_teacher_forced_logits_bf16_as_close_as_transformers_own_bf16(tmp_path):
+    hf = tiny_llama(tmp_path).cuda()
+    ids = torch.randint(0, 512, (300,), generator=torch.Generator().manual_seed(2)).tolist()
+    x = torch.tensor([ids], device="cuda")
+    with torch.no_grad():
+        exact = hf(x).logits[0].float()
+        theirs = hf.to(torch.bfloat16)(x).logits[0].float()
+    ours = engine_for(tmp_path, "bfloat16", enforce_eager=True).prompt_logits(ids).float()
+    their_error = (theirs - exact).abs().max().item()
+    our_error = (ours - exact).abs().max().item()
+    assert our_error <= 2 * their_error + 1e-3, (our_error, their_error)
+
+
+@pytest.mark.parametrize("num_requests", [16, 13])   # 13 replays the 16-graph with padding
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_greedy_identical_with_and_without_cuda_graphs(tmp_path, num_requests, dtype):
+    tiny_llama(tmp_path)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 512, (40,), generator=gen).tolist() for _ in range(num_requests)]
+    outputs = []
+    for eager in (True, False):
+        engine = engine_for(tmp_path, dtype, enforce_eager=eager)
+        assert (engine.runner.graphs is None) == eager
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+        tokens = {str(i): [] for i in range(num_requests)}
+        while engine.has_unfinished():
+            for o in engine.step():
+                tokens[o.request_id] += o.new_token_ids
+        outputs.append(tokens)
+    assert outputs[0] == outputs[1]
+
+
+def test_seeded_sampling_on_gpu_is_reproducible(tmp_path):
+    tiny_llama(tmp_path)
+    runs = []
+    for extra in (0, 5):
+        engine = engine_for(tmp_path, "bfloat16")
+        engine.add_request("s", list(range(1, 30)), SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=24))
+        for i in range(extra):
+            engine.add_request(f"o{i}", list(range(5, 50)), SamplingParams(temperature=1.0, max_tokens=24))
+        got = []
+        while engine.has_unfinished():
+            got += [t for o in engine.step() if o.request_id == "s" for t in o.new_token_ids]
+        runs.append(got)
+    assert runs[0] == runs[1]
