@@ -68,6 +68,28 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> 
             "steps": engine.num_steps - steps0, "first_token_s": first_token}
 
 
+def profile_decode(engine: LLMEngine) -> dict:
+    """Where the time of batch-1 decode steps goes: GPU kernel time against wall time."""
+    from torch.profiler import ProfilerActivity, profile
+    engine.add_request("p", list(range(2000, 2128)), SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    for _ in range(8):
+        engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(24):
+            engine.step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    events = prof.key_averages()
+    gpu_us = sum(e.self_device_time_total for e in events)
+    print(events.table(sort_by="self_device_time_total", row_limit=12), flush=True)
+    print(events.table(sort_by="self_cpu_time_total", row_limit=12), flush=True)
+    while engine.has_unfinished():
+        engine.step()
+    return {"wall_ms_per_step": wall / 24 * 1e3, "gpu_ms_per_step": gpu_us / 24 / 1e3}
+
+
 def bench_engine(args) -> dict:
     engine = LLMEngine(EngineConfig(model=MODEL, load_format="dummy", dtype="bfloat16",
                                     max_model_len=4096, max_num_seqs=args.max_num_seqs,
@@ -80,6 +102,8 @@ def bench_engine(args) -> dict:
     w2["decode_tokens_per_s"] = 255 / (w2["seconds"] - w2["first_token_s"])
     out["w2"] = w2
     log("W2 engine", json.dumps(w2))
+    if args.profile:
+        out["w2_profile"] = profile_decode(engine)
     w1 = run_engine(engine, w1_requests(), 256)
     out["w1"] = w1
     log("W1 engine", json.dumps(w1))
@@ -157,6 +181,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
     parser.add_argument("--skip-peer", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="profile W2 decode steps")
     parser.add_argument("--peer-w1-requests", type=int, default=64,
                         help="W1 requests given to the peer (all 512 take it over 4 minutes)")
     parser.add_argument("--max-num-seqs", type=int, default=512)

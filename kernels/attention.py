@@ -61,14 +61,14 @@ def paged_attention_ref(
     if plan is None:
         plan = gather_plan(block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len,
                            block_size, num_tokens)
-    q_pad = q[plan.q_index].transpose(1, 2)                                   # [S, H, Q, D]
-    k = k_cache.view(-1, num_kv_heads, head_dim)[plan.slots].transpose(1, 2)  # [S, KVH, L, D]
-    v = v_cache.view(-1, num_kv_heads, head_dim)[plan.slots].transpose(1, 2)
-    out = F.scaled_dot_product_attention(
-        q_pad, k.to(q.dtype), v.to(q.dtype), attn_mask=plan.mask, scale=scale,
-        enable_gqa=num_heads != num_kv_heads,
-    )                                                                         # [S, H, Q, D]
-    return out.transpose(1, 2)[plan.q_valid]                                  # [T, H, D]
+    # Half-precision SDPA on the CPU takes its slow path: compute in float32 there.
+    dtype = torch.float32 if q.device.type == "cpu" else q.dtype
+    q_pad = q[plan.q_index].transpose(1, 2).to(dtype)                             # [S, H, Q, D]
+    k = k_cache.view(-1, num_kv_heads, head_dim)[plan.slots].transpose(1, 2).to(dtype)  # [S, KVH, L, D]
+    v = v_cache.view(-1, num_kv_heads, head_dim)[plan.slots].transpose(1, 2).to(dtype)
+    out = F.scaled_dot_product_attention(q_pad, k, v, attn_mask=plan.mask, scale=scale,
+                                         enable_gqa=num_heads != num_kv_heads)   # [S, H, Q, D]
+    return out.transpose(1, 2)[plan.q_valid].to(q.dtype)                         # [T, H, D]
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,

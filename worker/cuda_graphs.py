@@ -73,11 +73,12 @@ class DecodeGraphs:
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
         self.slot_mapping[:n].copy_(metadata.slot_mapping)
-        self.slot_mapping[n:size].fill_(-1)
         self.seq_lens[:n].copy_(metadata.seq_lens)
-        self.seq_lens[n:size].fill_(0)
         self.query_start_loc[:n + 1].copy_(metadata.query_start_loc)
-        self.query_start_loc[n + 1:size + 1].fill_(n)
+        if size > n:
+            self.slot_mapping[n:size].fill_(-1)
+            self.seq_lens[n:size].fill_(0)
+            self.query_start_loc[n + 1:size + 1].fill_(n)
         self.block_tables[:n, :width].copy_(metadata.block_tables)
         self.graphs[size].replay()
         return self.hidden[:n]

@@ -203,7 +203,9 @@ class ModelRunner:
         if not logits_rows:
             return None
         last = metadata.query_start_loc[1:].long() - 1
-        logits = self.model.compute_logits(hidden[last[torch.tensor(logits_rows, device=self.device)]])
+        if logits_rows != list(range(len(scheduled))):    # skip the index copy when all sample once
+            last = last[torch.tensor(logits_rows, device=self.device)]
+        logits = self.model.compute_logits(hidden[last])
         return sample(logits, batch)
 
     @torch.inference_mode()
