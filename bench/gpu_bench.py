@@ -113,14 +113,16 @@ def bench_engine(args) -> dict:
     rng = random.Random(1)
     lengths = [rng.randint(32, 2048) for _ in range(256)]
     block_bytes = engine.runner.block_bytes
-    # Each request holds its prompt (n - 1 tokens) plus one generated token: n in all.
-    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    # Long enough generations that no request finishes (and frees its blocks) before every
+    # prompt is in the pool; then compare with a padded cache for the tokens held right then.
+    params = SamplingParams(temperature=0.0, max_tokens=512, ignore_eos=True)
     for i, n in enumerate(lengths):
         engine.add_request(f"w4-{i}", [rng.randrange(100, 128000) for _ in range(n - 1)], params)
     seqs = [s for group in engine.requests.values() for s in group]
     while any(s.num_computed < s.prompt_len for s in seqs):
         engine.step()
     held = engine.blocks.num_blocks - engine.blocks.num_free      # all 256 resident now
+    lengths = [s.num_computed for s in seqs]
     for request_id in list(engine.requests):
         engine.abort(request_id)
     per_token = block_bytes // engine.config.block_size
