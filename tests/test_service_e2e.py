@@ -1,10 +1,10 @@
 """End to end: the router's public gRPC API in front of real worker processes on loopback.
 
 Workers are `python -m worker.server` subprocesses with small KV pools, started together once
-for the module (each loads SmolLM2 in a few seconds); a test that kills or drains a worker gets
-one of its own. The router runs in the test's event loop as a real grpc.aio server on a free
-port, so its counters and its view of the workers can be inspected. Greedy outputs are compared
-token for token with the engine run offline in this process.
+for the module (each loads SmolLM2 in a few seconds and holds about 2 GB); a test that kills or
+drains a worker gets one of its own. The router runs in the test's event loop as a real grpc.aio
+server on a free port, so its counters and its view of the workers can be inspected. Greedy
+outputs are compared token for token with the engine run offline in this process.
 """
 
 from __future__ import annotations
@@ -49,6 +49,17 @@ FAST_RECONNECT = [("grpc.initial_reconnect_backoff_ms", 100),
                   ("grpc.min_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 500)]
 
 
+def module_command(module: str, *args: str) -> list[str]:
+    """`python -m module args`; on Linux the process also asks the kernel to kill it when the
+    test process dies, even by SIGKILL (an out-of-memory kill), so no worker outlives a run."""
+    if sys.platform != "linux":
+        return [sys.executable, "-m", module, *args]
+    launcher = ("import ctypes, runpy, signal; "
+                "ctypes.CDLL(None).prctl(1, signal.SIGKILL); "  # 1: PR_SET_PDEATHSIG
+                f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)")
+    return [sys.executable, "-c", launcher, *args]
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -85,9 +96,10 @@ class WorkerProcess:
         return f"127.0.0.1:{self.port}"
 
     def start(self) -> None:
-        command = [sys.executable, "-m", "worker.server", "--host", "127.0.0.1",
-                   "--port", str(self.port), "--worker-id", self.name, "--model", "default",
-                   "--device", "cpu", "--dtype", "float32", *self.flags]
+        command = module_command(
+            "worker.server", "--host", "127.0.0.1", "--port", str(self.port), "--worker-id",
+            self.name, "--model", "default", "--device", "cpu", "--dtype", "float32",
+            "--metrics-port", "0", *self.flags)
         # One thread each: several workers share a small machine.
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
         with open(self.log_path, "w") as log:
@@ -272,6 +284,23 @@ def test_preempted_requests_complete_unchanged(mode, worker, reference):
             counters = router.counters
             assert getattr(counters, f"preemptions_{mode}") > 0, counters
             assert counters.redispatches == 0 and counters.migrations == 0
+    asyncio.run(scenario())
+
+
+def test_requests_preempted_for_recompute_migrate_to_a_roomier_worker(worker, reference):
+    # Prompts of two full blocks get prefix affinity, which sends some to the tiny worker.
+    prompts = [f"{p} {'and then, ' * 12}" for p in PROMPTS[:8]]
+    params = dict(max_tokens=40, ignore_eos=True)
+    expected = reference(prompts, SamplingParams(temperature=0.0, **params))
+
+    async def scenario():
+        async with running_router(worker("tiny-recompute"), worker("a"),
+                                  admission=AdmissionConfig(overcommit=8.0)) as router, \
+                client(router) as stub:
+            streams = await asyncio.wait_for(asyncio.gather(
+                *(read_stream(stub.Generate(greedy_request(p, **params))) for p in prompts)), 120)
+            assert [s.token_ids for s in streams] == [expected[p] for p in prompts]
+            assert router.counters.migrations > 0, router.counters
     asyncio.run(scenario())
 
 
@@ -512,8 +541,8 @@ def test_new_router_serves_and_a_dead_routers_requests_are_aborted(worker, tmp_p
     log_path = tmp_path / "router.log"
     with open(log_path, "w") as log:
         old_router = subprocess.Popen(
-            [sys.executable, "-m", "common.cli", "serve", "--role", "router", "--host",
-             "127.0.0.1", "--port", str(port), "--workers", shared.address],
+            module_command("common.cli", "serve", "--role", "router", "--host", "127.0.0.1",
+                           "--port", str(port), "--workers", shared.address),
             cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=log,
             stderr=subprocess.STDOUT)
     try:

@@ -14,7 +14,7 @@ from worker.model_runner import ModelRunner
 from worker.models.loader import ModelSource, resolve_source
 from worker.sampler import SamplingBatch, SamplingRow
 from worker.sampling_params import InvalidRequest, SamplingParams, choice_seed
-from worker.scheduler import RECOMPUTE, SWAP, Scheduler, ScheduledSeq, SchedulerEvent
+from worker.scheduler import Scheduler, ScheduledSeq, SchedulerOutput
 from worker.sequence import FinishReason, Sequence, SeqStatus
 
 log = logging.getLogger("pagedserve.engine")
@@ -71,6 +71,7 @@ class LLMEngine:
         self.requests: dict[str, list[Sequence]] = {}
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         self.num_steps = 0
+        self.last_plan = SchedulerOutput()   # of the latest step: for metrics and traces
 
     @property
     def vocab_size(self) -> int:
@@ -151,7 +152,7 @@ class LLMEngine:
     # ------------------------------------------------------------ the step
 
     def step(self) -> list[RequestOutput]:
-        plan = self.scheduler.schedule()
+        plan = self.last_plan = self.scheduler.schedule()
         if plan.swaps:
             self.runner.swap(plan.swaps)
         if not plan.scheduled:

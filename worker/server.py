@@ -6,6 +6,11 @@ RPCs never stalls a step. After each step the engine thread hands every session 
 `StepOutput` with the deltas of all its requests; the asyncio side turns records into
 protobuf and writes them. Request ids are namespaced per session, so two routers can use
 the same ids.
+
+Metrics and traces are recorded on the engine thread from what it already has in hand: the
+step's plan and outputs, the engine's lifecycle events and one `RequestRecord` per request
+(arrival, first token, tokens, span). Gauges are read from the latest `EngineStats` at scrape
+time. See docs/observability.md.
 """
 
 import argparse
@@ -23,12 +28,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
+from opentelemetry.trace import Span, SpanKind
+from prometheus_client import CollectorRegistry
 
+from common import tracing
 from common.convert import sampling_params_from_proto
+from common.metrics import WorkerMetrics, serve_metrics
 from common.pb import worker_pb2 as pb
 from common.pb import worker_pb2_grpc
 from worker.config import EngineConfig
-from worker.engine import EngineStats, LLMEngine, RequestOutput
+from worker.engine import EngineEvent, EngineStats, LLMEngine, RequestOutput
 from worker.models.loader import load_tokenizer
 from worker.sampling_params import InvalidRequest
 from worker.sequence import FinishReason
@@ -61,6 +70,19 @@ class Session:
         self.loop.call_soon_threadsafe(self.outbox.put_nowait, message)
 
 
+@dataclass(eq=False, slots=True)
+class RequestRecord:
+    """What the metrics and the trace need about one request, kept on the engine thread."""
+    received: float                     # time.monotonic() when its Submit was read
+    prompt_tokens: int
+    span: Span | None                   # None when tracing is off
+    first_token: float | None = None
+    num_output: int = 0                 # tokens generated here (not those it arrived with)
+
+    def ttft_s(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.received
+
+
 def _delta(request_id: str, out: RequestOutput) -> pb.RequestDelta:
     delta = pb.RequestDelta(request_id=request_id, new_token_ids=out.new_token_ids,
                             finish_reason=FINISH[out.finish_reason], num_prompt_tokens=out.num_prompt_tokens)
@@ -76,13 +98,17 @@ def _event(request_id: str, kind: int, mode: str | None = None, message: str = "
 class EngineLoop:
     """Owns the engine on a dedicated thread; everything else talks to it with `call`."""
 
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, metrics: WorkerMetrics, model_name: str):
         self.engine = engine
         self.commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self.wake = threading.Event()
         self.owner: dict[str, Session] = {}        # engine key -> session
+        self.records: dict[str, RequestRecord] = {}  # engine key -> record, for every owned key
         self.draining = False
         self.stats: EngineStats = engine.stats()
+        self.metrics = metrics
+        self.model_name = model_name
+        self.tracing = tracing.enabled()
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
@@ -106,12 +132,15 @@ class EngineLoop:
             self._run_commands()
             outputs = []
             if self.engine.has_unfinished():
+                started = time.monotonic()
                 try:
                     outputs = self.engine.step()
                 except Exception:
                     log.exception("engine step failed; failing its requests")
                     self._fail_all("internal error in the engine step (logged on the worker)")
-                self._publish(outputs)
+                else:
+                    self._observe_step(started, len(outputs))
+                self._publish(outputs, started)
             self.stats = self.engine.stats()
             if not outputs and not self.commands.qsize():
                 # Nothing ran (idle, or only held/unfittable work): sleep until a command.
@@ -128,7 +157,30 @@ class EngineLoop:
             except Exception:
                 log.exception("worker command failed")
 
-    def _publish(self, outputs: list[RequestOutput]) -> None:
+    def _observe_step(self, started: float, num_outputs: int) -> None:
+        plan = self.engine.last_plan
+        if plan.scheduled:          # else only swaps ran, or nothing fitted
+            # The engine samples one token per sequence that samples: outputs = tokens generated.
+            self.metrics.step(time.monotonic() - started, plan.num_tokens, len(plan.scheduled), num_outputs)
+
+    def _trace_step(self, started: float, now: float) -> None:
+        """Adds the step's prompt chunks and first tokens to the requests' spans."""
+        chunk_at = tracing.span_time_ns(started)
+        for s in self.engine.last_plan.scheduled:
+            record = self.records.get(s.seq.request_id)
+            if record is None or record.span is None:
+                continue
+            start = s.seq.num_computed - s.num_tokens      # num_computed already counts this chunk
+            if start < s.seq.prompt_len:
+                record.span.add_event("prefill_chunk", {"pagedserve.chunk.start": start,
+                                                        "pagedserve.chunk.tokens": s.num_tokens}, chunk_at)
+            if record.first_token == now:
+                record.span.add_event("first_token", timestamp=tracing.span_time_ns(now))
+
+    def _publish(self, outputs: list[RequestOutput], step_started: float | None = None) -> None:
+        """Sends a step's deltas and the engine's events; `step_started` is when the scheduler
+        decided those events (None: just now, outside a step)."""
+        now = time.monotonic()
         by_session: dict[Session, list] = {}
         finished = []
         for out in outputs:
@@ -137,38 +189,71 @@ class EngineLoop:
                 continue
             request_id = out.request_id.split("/", 1)[1]
             by_session.setdefault(session, []).append(_delta(request_id, out))
+            record = self.records[out.request_id]
+            if record.first_token is None:
+                record.first_token = now
+                self.metrics.first_token(now - record.received, out.num_prompt_tokens)
+            record.num_output += len(out.new_token_ids)
             if out.finish_reason is not None:
-                finished.append((session, out.request_id, request_id))
+                finished.append((session, out.request_id, request_id, out.finish_reason.value))
         for session, deltas in by_session.items():
             session.send(pb.WorkerMessage(step=pb.StepOutput(step_index=self.engine.num_steps, deltas=deltas)))
+        events_at = now if step_started is None else step_started
         for event in self.engine.drain_events():
             session = self.owner.get(event.request_id)
             if session is not None:
                 session.send(_event(event.request_id.split("/", 1)[1], EVENT_KINDS[event.kind], event.mode))
-        for session, key, request_id in finished:
-            self._forget(key)
+                self._observe_event(self.records[event.request_id], event, events_at)
+        if self.tracing and step_started is not None:
+            self._trace_step(step_started, now)     # after "admitted", before the span may end
+        for session, key, request_id, reason in finished:
+            self._forget(key, reason)
             session.send(_event(request_id, pb.EVENT_KIND_FINISHED))
 
-    def _forget(self, key: str) -> None:
+    def _observe_event(self, record: RequestRecord, event: EngineEvent, at: float) -> None:
+        if event.kind == "admitted":
+            self.metrics.admitted(at - record.received)
+        if record.span is not None:
+            attributes = {"pagedserve.preemption.mode": event.mode} if event.mode else None
+            record.span.add_event(event.kind, attributes, tracing.span_time_ns(at))
+
+    def _forget(self, key: str, reason: str, error: str | None = None) -> None:
+        """Drops a request the worker no longer holds; `reason` is how it left (a
+        WORKER_FINISH_REASONS value), `error` what went wrong when it failed."""
         session = self.owner.pop(key, None)
         if session is not None:
             session.keys.discard(key)
+            self._close_record(self.records.pop(key), reason, error)
+
+    def _close_record(self, record: RequestRecord, reason: str, error: str | None = None) -> None:
+        now = time.monotonic()
+        self.metrics.finished(reason, now - record.received, record.ttft_s(), record.num_output)
+        if record.span is not None:
+            if reason == "drained":
+                record.span.add_event("drained", timestamp=tracing.span_time_ns(now))
+            tracing.end_request_span(record.span, output_tokens=record.num_output, finish_reason=reason,
+                                     ttft_s=record.ttft_s(), error=error, end_time_ns=tracing.span_time_ns(now))
 
     def _fail_all(self, message: str) -> None:
         for key, session in list(self.owner.items()):
             self.engine.abort(key)
-            self._forget(key)
+            self._forget(key, "failed", message)
             session.send(_event(key.split("/", 1)[1], pb.EVENT_KIND_FAILED, message=message))
 
     # ------------------------------------------------------------ commands (engine thread)
 
-    def submit(self, session: Session, msg: pb.Submit) -> None:
+    def submit(self, session: Session, msg: pb.Submit, received: float) -> None:
+        """`received`: time.monotonic() when the Submit was read, where its latencies start."""
         key = session.key(msg.request_id)
+        record = RequestRecord(received, len(msg.prompt_token_ids), self._start_span(msg, received))
         if self.draining:
             session.send(_event(msg.request_id, pb.EVENT_KIND_PREEMPTED, "recompute", "draining"))
+            self._close_record(record, "drained")
             return
         try:
             params = sampling_params_from_proto(msg.params)
+            if record.span is not None:
+                record.span.set_attributes(tracing.sampling_attributes(params))
             if params.n != 1:
                 raise InvalidRequest(f"n={params.n} is invalid: a Submit carries one choice (n=1); "
                                      "the router fans out n > 1")
@@ -176,15 +261,29 @@ class EngineLoop:
                                     output_token_ids=list(msg.output_token_ids))
         except InvalidRequest as e:
             session.send(_event(msg.request_id, pb.EVENT_KIND_FAILED, message=str(e)))
+            self._close_record(record, "failed", str(e))
             return
         self.owner[key] = session
+        self.records[key] = record
         session.keys.add(key)
+
+    def _start_span(self, msg: pb.Submit, received: float) -> Span | None:
+        """The request's span on this worker, a child of the router's span in `trace_context`."""
+        if not self.tracing:
+            return None
+        attributes = tracing.request_attributes("text_completion", self.model_name, msg.request_id,
+                                                len(msg.prompt_token_ids))
+        if msg.output_token_ids:       # migrated or re-dispatched: continues after these
+            attributes["pagedserve.prior_output_tokens"] = len(msg.output_token_ids)
+        return tracing.start_span(f"text_completion {self.model_name}", parent=tracing.extract(msg.trace_context),
+                                  kind=SpanKind.SERVER, attributes=attributes,
+                                  start_time_ns=tracing.span_time_ns(received))
 
     def abort(self, session: Session, request_ids) -> None:
         for request_id in request_ids:
             key = session.key(request_id)
             if self.engine.abort(key):
-                self._forget(key)
+                self._forget(key, "abort")
                 session.send(pb.WorkerMessage(step=pb.StepOutput(
                     step_index=self.engine.num_steps,
                     deltas=[pb.RequestDelta(request_id=request_id, finish_reason=pb.FINISH_REASON_ABORT)])))
@@ -204,7 +303,7 @@ class EngineLoop:
         sessions = set(self.owner.values())
         for key, session in list(self.owner.items()):
             self.engine.abort(key)
-            self._forget(key)
+            self._forget(key, "drained")
             session.send(_event(key.split("/", 1)[1], pb.EVENT_KIND_PREEMPTED, "recompute", "draining"))
         for session in sessions | self.sessions_alive():
             session.send(_event("", pb.EVENT_KIND_DRAINED))
@@ -212,7 +311,7 @@ class EngineLoop:
     def close_session(self, session: Session) -> None:
         for key in list(session.keys):
             self.engine.abort(key)
-            self._forget(key)
+            self._forget(key, "abort")
         if session.keys:
             log.info("session %s closed", session.session_id)
 
@@ -223,7 +322,9 @@ class EngineLoop:
 class WorkerService(worker_pb2_grpc.WorkerServicer):
     def __init__(self, engine: LLMEngine, worker_id: str, model_name: str):
         self.engine = engine
-        self.loop = EngineLoop(engine)
+        self.registry = CollectorRegistry()     # this worker's own: nothing global leaks in
+        self.metrics = WorkerMetrics(model_name, self.registry, lambda: self.loop.stats, engine.config.block_size)
+        self.loop = EngineLoop(engine, self.metrics, model_name)
         self.loop.sessions_alive = lambda: set(self.sessions)
         self.worker_id = worker_id
         self.sessions: set[Session] = set()
@@ -277,7 +378,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                     session.router_id = msg.hello.router_id
                     log.info("session %s opened by router %s", session.session_id, session.router_id)
                 elif kind == "submit":
-                    loop.call(lambda m=msg.submit: loop.submit(session, m))
+                    loop.call(lambda m=msg.submit, t=time.monotonic(): loop.submit(session, m, t))
                 elif kind == "abort":
                     loop.call(lambda ids=list(msg.abort.request_ids): loop.abort(session, ids))
                 elif kind == "preempt":
@@ -310,12 +411,15 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
 
 async def serve_worker(config: EngineConfig, host: str, port: int, worker_id: str | None = None,
-                       model_name: str | None = None, ready: Callable[[int], None] | None = None) -> None:
-    """Loads the model, serves until SIGTERM/SIGINT, then drains and stops."""
+                       model_name: str | None = None, ready: Callable[[int], None] | None = None,
+                       metrics_port: int = 0) -> None:
+    """Loads the model, serves until SIGTERM/SIGINT, then drains and stops. `metrics_port`:
+    where to serve Prometheus /metrics (0: nowhere); tracing follows the OTEL_* variables."""
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection
 
     started = time.monotonic()
+    tracing.setup_tracing("pagedserve-worker")
     engine = LLMEngine(config)
     service = WorkerService(engine, worker_id or f"{socket.gethostname()}:{port}",
                             model_name or engine.source.name)
@@ -336,6 +440,8 @@ async def serve_worker(config: EngineConfig, host: str, port: int, worker_id: st
     log.info("worker %s serving %s on %s:%d (%d KV blocks of %d tokens, max_model_len %d) after %.1fs",
              service.worker_id, service.info.model_name, host, bound, service.info.num_gpu_blocks,
              config.block_size, engine.max_model_len, time.monotonic() - started)
+    if (metrics_bound := serve_metrics(service.registry, metrics_port, host)) is not None:
+        log.info("metrics at http://%s:%d/metrics", host, metrics_bound)
     if ready:
         ready(bound)
 
@@ -352,16 +458,17 @@ async def serve_worker(config: EngineConfig, host: str, port: int, worker_id: st
         await asyncio.sleep(0.05)
     await server.stop(grace=1)
     service.loop.stop()
+    tracing.shutdown_tracing()
 
 
 def run_worker(config: EngineConfig, host: str = "0.0.0.0", port: int = 50061, worker_id: str | None = None,
-               model_name: str | None = None) -> None:
+               model_name: str | None = None, metrics_port: int = 0) -> None:
     try:
         import uvloop
         uvloop.install()
     except ImportError:
         pass
-    asyncio.run(serve_worker(config, host, port, worker_id, model_name))
+    asyncio.run(serve_worker(config, host, port, worker_id, model_name, metrics_port=metrics_port))
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -416,12 +523,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=int(os.environ.get("PAGEDSERVE_WORKER_PORT", 50061)))
     parser.add_argument("--worker-id", default=os.environ.get("PAGEDSERVE_WORKER_ID"))
     parser.add_argument("--served-model-name", default=os.environ.get("PAGEDSERVE_SERVED_MODEL_NAME"))
+    parser.add_argument("--metrics-port", type=int, default=int(os.environ.get("PAGEDSERVE_METRICS_PORT", 9091)),
+                        help="port of the Prometheus /metrics endpoint (0: off); tracing is set with "
+                             "the standard OTEL_* variables (docs/observability.md)")
     args = parser.parse_args(argv)
     for name in ("max_model_len", "num_blocks", "num_swap_blocks"):
         if getattr(args, name) is not None:
             setattr(args, name, int(getattr(args, name)))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    run_worker(engine_config_from_args(args), args.host, args.port, args.worker_id, args.served_model_name)
+    run_worker(engine_config_from_args(args), args.host, args.port, args.worker_id, args.served_model_name,
+               args.metrics_port)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,369 @@
+"""The `pagedserve` command: serve a model, or talk to a running server.
+
+    pagedserve serve                                   # one worker + the router on :50051
+    pagedserve serve --role router --workers w0:50061 w1:50061
+    pagedserve serve --role worker --worker-port 50061
+    pagedserve complete "The capital of France is"
+    pagedserve chat "Write a haiku about paging"
+
+Every flag can also be set by an environment variable named after it: --max-num-seqs is
+PAGEDSERVE_MAX_NUM_SEQS (for switches: true/false). A flag on the command line wins.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+ENV_PREFIX = "PAGEDSERVE_"
+DEFAULT_ADDRESS = "localhost:50051"
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Shows defaults and keeps the descriptions' line breaks."""
+
+
+def _env_name(action: argparse.Action) -> str:
+    return ENV_PREFIX + action.option_strings[0].lstrip("-").upper().replace("-", "_")
+
+
+def _apply_env(parser: argparse.ArgumentParser) -> None:
+    """Makes PAGEDSERVE_<FLAG> the default of every --flag, and names the variable in --help.
+
+    argparse has no public list of a parser's actions; `_actions` is the stable way to get it.
+    """
+    for action in parser._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        name = _env_name(action)
+        action.help = f"{action.help or ''} [env {name}]".strip()
+        raw = os.environ.get(name)
+        if raw is None:
+            continue
+        try:
+            action.default = _parse_env(action, raw)
+        except ValueError as error:
+            parser.error(f"environment variable {name}={raw!r} is invalid: {error}")
+
+
+def _parse_env(action: argparse.Action, raw: str) -> object:
+    if action.nargs == 0:  # a switch
+        if raw.lower() not in _TRUE + _FALSE:
+            raise ValueError(f"use one of {', '.join(_TRUE + _FALSE)}")
+        return raw.lower() in _TRUE
+    convert = action.type or str
+    values = ([convert(v) for v in raw.replace(",", " ").split()]
+              if action.nargs in ("+", "*") else [convert(raw)])
+    for value in values:
+        if action.choices is not None and value not in action.choices:
+            raise ValueError(f"{value!r} is not one of {', '.join(map(str, action.choices))}")
+    return values if action.nargs in ("+", "*") else values[0]
+
+
+# ------------------------------------------------------------------------------ serve
+
+def _serve_parser() -> argparse.ArgumentParser:
+    from worker.server import add_engine_args  # imports torch: only `serve` pays for it
+
+    parser = argparse.ArgumentParser(
+        prog="pagedserve serve", formatter_class=_HelpFormatter,
+        description="Serve a model over gRPC (pagedserve.v1.Generation).\n\n"
+                    "--role all runs one worker (as a subprocess) and the router in this "
+                    "process;\n--role router and --role worker run one part, for clusters.")
+    parser.add_argument("--role", choices=("all", "router", "worker"), default="all",
+                        help="what this process runs")
+    engine = parser.add_argument_group("worker: model and engine")
+    add_engine_args(engine)
+    engine.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="GPUs to split the model over (only 1 is supported for now)")
+    network = parser.add_argument_group("network")
+    network.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    network.add_argument("--port", type=int, default=50051, help="the router's gRPC port")
+    network.add_argument("--worker-port", type=int, default=50061,
+                         help="the worker's gRPC port (router<->worker protocol)")
+    network.add_argument("--metrics-port", type=int, default=9091,
+                         help="Prometheus /metrics port (0: off): the worker's with --role worker "
+                              "or all, the router's with --role router; the router also serves "
+                              "its metrics at /metrics of the HTTP API. Tracing is configured by "
+                              "the standard OTEL_* variables (docs/observability.md)")
+    network.add_argument("--http-port", type=int, default=8000,
+                         help="the router's OpenAI-compatible HTTP API port (-1: off)")
+    network.add_argument("--api-key", default=None,
+                         help="require 'Authorization: Bearer <key>' on the HTTP API's /v1 paths")
+    network.add_argument("--allowed-origins", nargs="+", metavar="ORIGIN", default=[],
+                         help="CORS: browser origins allowed to call the HTTP API ('*': any)")
+    network.add_argument("--workers", nargs="+", metavar="TARGET",
+                         help="--role router: the workers, each host:port or dns:host:port "
+                              "(every address the name resolves to, re-resolved periodically)")
+    network.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                         help="names clients may use for the model (default: the model's own); "
+                              "the first is reported to clients first")
+    router = parser.add_argument_group("router: admission and scheduling")
+    router.add_argument("--max-concurrent-requests", type=int, default=1024,
+                        help="requests running at once over all workers; more wait in the queue")
+    router.add_argument("--max-queue-len", type=int, default=256,
+                        help="requests waiting for admission; more are refused "
+                             "(RESOURCE_EXHAUSTED with a retry-after hint)")
+    router.add_argument("--max-queue-wait", type=float, default=30.0,
+                        help="seconds a request may wait for admission before it is refused")
+    router.add_argument("--overcommit", type=float, default=1.0,
+                        help="a worker's token budget is its KV capacity times this; above 1 "
+                             "bets that requests stop before max_tokens (the worker preempts "
+                             "when the bet is lost)")
+    router.add_argument("--migrate-on-preemption", action=argparse.BooleanOptionalAction,
+                        default=True, help="move a request preempted for recompute to a worker "
+                                           "with clearly more free KV blocks")
+    router.add_argument("--shutdown-grace", type=float, default=10.0,
+                        help="seconds running requests may finish when the router stops")
+    logs = parser.add_argument_group("logs")
+    logs.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    logs.add_argument("--log-format", default="text", choices=("text", "json"),
+                      help="json: one JSON object per line")
+    _apply_env(parser)
+    return parser
+
+
+def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from common.log import setup_logging
+
+    if args.tensor_parallel_size != 1:
+        parser.error(f"--tensor-parallel-size={args.tensor_parallel_size} is not supported "
+                     "yet: a worker runs its model on one GPU (use 1)")
+    if args.role == "router" and not args.workers:
+        parser.error("--role router needs --workers (for example --workers 10.0.0.7:50061)")
+    setup_logging(args.log_level, args.log_format)
+    if args.role == "worker":
+        from worker.server import engine_config_from_args, run_worker
+        run_worker(engine_config_from_args(args), args.host, args.worker_port,
+                   model_name=(args.served_model_name or [None])[0],
+                   metrics_port=args.metrics_port)
+        return 0
+    from common import tracing
+    try:
+        tracing.setup_tracing("pagedserve-router")  # a worker process sets up its own
+    except ValueError as error:
+        parser.error(str(error))
+    try:
+        if args.role == "router":
+            from router.server import run_router
+            run_router(_router_config(args, args.workers))
+            return 0
+        import uvloop
+        return uvloop.run(_serve_all(args))
+    finally:
+        tracing.shutdown_tracing()  # exports the spans still buffered
+
+
+def _router_config(args: argparse.Namespace, workers: Sequence[str]):
+    from router.admission import AdmissionConfig
+    from router.generate import RunConfig
+    from router.server import RouterConfig
+
+    return RouterConfig(
+        workers=list(workers), host=args.host, port=args.port,
+        served_model_names=tuple(args.served_model_name or ()),
+        admission=AdmissionConfig(overcommit=args.overcommit,
+                                  max_concurrent_requests=args.max_concurrent_requests,
+                                  max_queue_len=args.max_queue_len,
+                                  max_wait_s=args.max_queue_wait),
+        run=RunConfig(migrate_on_preemption=args.migrate_on_preemption),
+        shutdown_grace_s=args.shutdown_grace,
+        http_port=None if args.http_port < 0 else args.http_port,
+        # With --role all the worker has --metrics-port; the router's are then on the HTTP API.
+        metrics_port=args.metrics_port if args.role == "router" else 0,
+        api_key=args.api_key, allowed_origins=tuple(args.allowed_origins))
+
+
+async def _serve_all(args: argparse.Namespace) -> int:
+    """A worker subprocess on loopback and the router in this process. Ctrl-C stops the router
+    first (running requests get the grace period), then the worker."""
+    from router.server import serve
+
+    address = f"127.0.0.1:{args.worker_port}"
+    name = ["--served-model-name", args.served_model_name[0]] if args.served_model_name else []
+    # The engine settings travel as the worker's own PAGEDSERVE_* variables; its own session
+    # keeps a terminal's Ctrl-C from reaching it before the router has finished.
+    worker = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "worker.server", "--host", "127.0.0.1",
+        "--port", str(args.worker_port), "--metrics-port", str(args.metrics_port), *name,
+        env={**os.environ, **_engine_env(args)}, start_new_session=True)
+    try:
+        await _wait_until_serving(address, worker)
+        stop = asyncio.Event()
+        worker_exit = asyncio.create_task(worker.wait())
+        worker_exit.add_done_callback(lambda _: stop.set())
+        await serve(_router_config(args, [address]), on_ready=_announce, stop=stop)
+        if worker.returncode is not None:
+            print(f"pagedserve: the worker exited with code {worker.returncode}",
+                  file=sys.stderr)
+            return 1
+        return 0
+    finally:
+        if worker.returncode is None:
+            worker.terminate()  # the worker drains and stops
+            try:
+                await asyncio.wait_for(worker.wait(), 30)
+            except asyncio.TimeoutError:
+                worker.kill()
+                await worker.wait()
+
+
+def _engine_env(args: argparse.Namespace) -> dict[str, str]:
+    from worker.server import add_engine_args
+
+    engine = argparse.ArgumentParser(add_help=False)
+    add_engine_args(engine)
+    names = vars(engine.parse_args([])).keys()
+    return {ENV_PREFIX + name.upper(): str(getattr(args, name))
+            for name in names if getattr(args, name) is not None}
+
+
+async def _wait_until_serving(address: str, worker: asyncio.subprocess.Process,
+                              timeout_s: float = 1800.0) -> None:
+    """Polls the worker's gRPC health until SERVING (loading a model can take minutes)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    # Reconnect fast: gRPC's default backoff after "connection refused" grows past 10 s.
+    options = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+               ("grpc.max_reconnect_backoff_ms", 1000)]
+    async with grpc.aio.insecure_channel(address, options=options) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        while loop.time() < deadline:
+            if worker.returncode is not None:
+                raise SystemExit(f"pagedserve: the worker exited with code {worker.returncode} "
+                                 "before serving (its log is above)")
+            try:
+                reply = await health.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.aio.AioRpcError:
+                pass  # not listening yet
+            await asyncio.sleep(0.5)
+    raise SystemExit(f"pagedserve: the worker at {address} did not serve within {timeout_s:g} s")
+
+
+async def _announce(router) -> None:
+    await router.fleet.wait_for(lambda fleet: bool(fleet.accepting()))
+    address = router.address
+    print(f"\npagedserve is serving {router.fleet.model.name}\n"
+          f"  gRPC     {address}  (pagedserve.v1.Generation; health and reflection enabled)\n"
+          + (f"  HTTP     {router.http_address}/v1  (OpenAI-compatible: completions, chat/completions,"
+             f" models; /health, /metrics)\n" if router.http_port else "")
+          + f"  try      pagedserve complete \"The capital of France is\" --address {address}\n"
+          f"           grpcurl -plaintext -d '{{\"text\": \"The capital of France is\"}}' "
+          f"{address} pagedserve.v1.Generation/Generate\n"
+          f"Ctrl-C stops the router and the worker.\n", flush=True)
+
+
+# ------------------------------------------------------------------------------ clients
+
+def _client_parser(command: str, prompt_help: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=f"pagedserve {command}", formatter_class=_HelpFormatter,
+                                     description=f"{prompt_help}, streaming the answer.")
+    parser.add_argument("prompt", help=prompt_help.lower())
+    parser.add_argument("--address", default=DEFAULT_ADDRESS, help="the router's gRPC address")
+    parser.add_argument("--model", default="", help="served model name (default: the served one)")
+    parser.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate")
+    parser.add_argument("--temperature", type=float, help="0 = greedy (server default 1.0)")
+    parser.add_argument("--top-p", type=float, help="nucleus sampling (server default 1.0)")
+    parser.add_argument("--top-k", type=int, help="keep the k most likely tokens")
+    parser.add_argument("--seed", type=int, help="same seed, same output")
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--timeout", type=float, help="deadline in seconds")
+    if command == "chat":
+        parser.add_argument("--system", help="a system message before yours")
+    _apply_env(parser)
+    return parser
+
+
+def _complete(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from common.pb import generation_pb2 as pb
+    return _stream(args, pb.GenerateRequest(text=args.prompt))
+
+
+def _chat(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from common.pb import generation_pb2 as pb
+    messages = [pb.ChatMessage(role="system", content=args.system)] if args.system else []
+    messages.append(pb.ChatMessage(role="user", content=args.prompt))
+    return _stream(args, pb.GenerateRequest(chat=pb.ChatMessages(messages=messages)))
+
+
+def _stream(args: argparse.Namespace, request) -> int:
+    """Sends the request and writes the text as it arrives; a summary goes to stderr."""
+    import grpc
+
+    from common.pb import generation_pb2 as pb
+    from common.pb import generation_pb2_grpc
+
+    request.model = args.model
+    params = request.params
+    params.max_tokens = args.max_tokens
+    params.stop.extend(args.stop)
+    for name in ("temperature", "top_p", "top_k", "seed"):
+        if getattr(args, name) is not None:
+            setattr(params, name, getattr(args, name))
+    finish, usage = "", None
+    with grpc.insecure_channel(args.address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        try:
+            for response in stub.Generate(request, timeout=args.timeout):
+                for choice in response.choices:
+                    sys.stdout.write(choice.text)
+                    if choice.finish_reason:
+                        finish = pb.FinishReason.Name(choice.finish_reason)
+                sys.stdout.flush()
+                if response.HasField("usage"):
+                    usage = response.usage
+        except grpc.RpcError as error:
+            print(f"\npagedserve: {error.code().name}: {error.details()}", file=sys.stderr)
+            return 1
+    print()
+    if usage is not None:
+        print(f"[{usage.prompt_tokens} prompt + {usage.completion_tokens} completion tokens, "
+              f"{finish.removeprefix('FINISH_REASON_').lower()}]", file=sys.stderr)
+    return 0
+
+
+# ------------------------------------------------------------------------------ main
+
+@dataclass(frozen=True)
+class _Command:
+    help: str
+    parser: Callable[[], argparse.ArgumentParser]
+    run: Callable[[argparse.Namespace, argparse.ArgumentParser], int]
+
+
+COMMANDS = {
+    "serve": _Command("serve a model (worker and router, or one of them)", _serve_parser, _serve),
+    "complete": _Command("complete a text prompt",
+                         lambda: _client_parser("complete", "Complete a text prompt"), _complete),
+    "chat": _Command("send one chat message",
+                     lambda: _client_parser("chat", "Send one chat message"), _chat),
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    top = argparse.ArgumentParser(
+        prog="pagedserve", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=__doc__.split("\n\n", 1)[1],
+        epilog="commands:\n" + "\n".join(f"  {name:<10}{c.help}" for name, c in COMMANDS.items())
+               + "\n\n`pagedserve COMMAND --help` explains a command's flags.")
+    top.add_argument("command", choices=COMMANDS, help="what to do")
+    # Only the command word is parsed here: each command builds its own parser on demand, so
+    # the client commands start without importing the engine.
+    command = COMMANDS[top.parse_args(argv[:1]).command]
+    parser = command.parser()
+    return command.run(parser.parse_args(argv[1:]), parser)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,308 @@
+"""One admitted Generate request, carried across workers until every choice has finished.
+
+Each choice is its own dispatch: one Submit (n=1, the choice's seed) under a fresh internal id,
+so a choice sent again never collides with what an earlier dispatch left behind, and news about
+an abandoned dispatch id is ignored. All of a request's dispatches report into one inbox, and
+what arrives together goes out together: the choices of one engine step share one response.
+
+A choice moves to another worker, carrying its prompt and the tokens generated so far, when its
+worker is lost or, draining, hands it back (re-dispatch); or when its worker preempted it by
+recompute and another worker has clearly more free blocks (migration: recompute costs the same
+anywhere, and the other worker can start now). A swapped-out choice stays: its KV is kept and
+resuming it is cheap. Greedy and seeded sampling make the continuation exactly what the first
+worker would have produced, so the client's stream has no gap and no duplicate.
+
+The request's choices live on the worker its reservation is on; re-dispatched choices follow the
+reservation when it moves, and only a request with a single live choice migrates.
+
+Traced, every dispatch is a CLIENT span under the request's span, from Submit to the choice's
+end or move; its context travels in the Submit, so the worker's span is its child. Preemptions,
+migrations and re-dispatches are events of the request's span.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import grpc
+from opentelemetry import trace
+from opentelemetry.trace import Span, SpanKind
+
+from common import tracing
+from common.pb import generation_pb2 as pb
+from common.pb import worker_pb2
+from router.admission import Reservation
+from router.counters import RouterCounters
+from router.detokenizer import TextStream
+from router.errors import ApiError, invalid_argument, unavailable
+from router.fleet import Fleet
+from router.requests import PreparedRequest
+from router.worker_client import Incoming, WorkerClient, WorkerLost
+
+log = logging.getLogger("pagedserve.router")
+
+_FINISH_REASONS = {worker_pb2.FINISH_REASON_STOP: pb.FINISH_REASON_STOP,
+                   worker_pb2.FINISH_REASON_LENGTH: pb.FINISH_REASON_LENGTH}
+_PREEMPTION_MODES = {worker_pb2.PREEMPTION_MODE_SWAP: "swap",
+                     worker_pb2.PREEMPTION_MODE_RECOMPUTE: "recompute"}
+# The span events of the request's span for a choice's moves, by counter.
+_MOVE_EVENTS = {"redispatches": "redispatched", "migrations": "migrated"}
+# The Event.message of the PREEMPTED with which a draining worker hands a request back.
+_DRAINING = "draining"
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    max_moves_per_choice: int = 3       # re-dispatches and migrations; then UNAVAILABLE
+    migrate_on_preemption: bool = True
+    # A migration target needs free blocks >= what the choice needs + this × the source's free.
+    migration_free_ratio: float = 2.0
+
+
+@dataclass(eq=False)
+class _Choice:
+    index: int
+    text: TextStream
+    output: list[int] = field(default_factory=list)
+    finish_reason: int = pb.FINISH_REASON_UNSPECIFIED
+    worker: WorkerClient | None = None
+    dispatch_id: str = ""
+    admitted: bool = False  # whether the current dispatch joined its worker's running batch
+    moves: int = 0
+    span: Span | None = None  # the current dispatch's, when traced
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason != pb.FINISH_REASON_UNSPECIFIED
+
+
+class GenerateRun:
+    """Streams one admitted request's responses; see the module docstring."""
+
+    def __init__(self, request: PreparedRequest, reservation: Reservation, fleet: Fleet,
+                 counters: RouterCounters, config: RunConfig,
+                 next_dispatch_id: Callable[[], str], span: Span | None = None) -> None:
+        """`span`: the request's span, parent of the dispatch spans (None: not traced)."""
+        self.request = request
+        self._reservation = reservation
+        self._fleet = fleet
+        self._counters = counters
+        self._config = config
+        self._next_dispatch_id = next_dispatch_id
+        self._span = span
+        self._trace_parent = trace.set_span_in_context(span) if span is not None else None
+        self._inbox: asyncio.Queue[Incoming] = asyncio.Queue()
+        tokenizer = fleet.model.tokenizer
+        self._tokenizer = tokenizer
+        self._choices = [
+            _Choice(i, TextStream(tokenizer.hf, prompt_token_ids=request.prompt_token_ids,
+                                  stop=request.stop,
+                                  include_stop_str_in_output=request.include_stop_str_in_output,
+                                  skip_special_tokens=request.skip_special_tokens))
+            for i in range(request.n)]
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(c.output) for c in self._choices)
+
+    @property
+    def finish_reasons(self) -> list[str]:
+        return [pb.FinishReason.Name(c.finish_reason) for c in self._choices]
+
+    async def responses(self) -> AsyncIterator[pb.GenerateResponse]:
+        """The request's stream: a first message with the prompt's length, then the choices'
+        progress. Closing it early (client gone) aborts whatever still runs on workers."""
+        try:
+            yield pb.GenerateResponse(request_id=self.request.request_id, usage=pb.Usage(
+                prompt_tokens=len(self.request.prompt_token_ids)))
+            worker = self._fleet.workers.get(self._reservation.worker_id)
+            if worker is None:
+                worker = self._retarget(exclude=None, reason="its worker left before dispatch")
+            for choice in self._choices:
+                self._dispatch(choice, worker)
+            while not all(c.finished for c in self._choices):
+                batch = [await self._inbox.get()]
+                while not self._inbox.empty():
+                    batch.append(self._inbox.get_nowait())
+                deltas: dict[int, pb.ChoiceDelta] = {}
+                for incoming in batch:
+                    self._handle(incoming, deltas)
+                response = self._response(deltas)
+                if response.choices or response.HasField("usage"):
+                    yield response
+        finally:
+            for choice in self._choices:
+                if not choice.finished and choice.worker is not None:
+                    choice.worker.abort([choice.dispatch_id])
+                _end_span(choice)
+
+    def _handle(self, incoming: Incoming, deltas: dict[int, pb.ChoiceDelta]) -> None:
+        choice = self._choices[incoming.tag]
+        if choice.finished or incoming.dispatch_id != choice.dispatch_id:
+            return  # news about a dispatch already abandoned
+        payload = incoming.payload
+        if isinstance(payload, WorkerLost):
+            self._redispatch(choice, payload.reason)
+        elif isinstance(payload, worker_pb2.RequestDelta):
+            self._on_delta(choice, payload, deltas)
+        else:
+            self._on_event(choice, payload, incoming.worker)
+
+    def _on_delta(self, choice: _Choice, delta: worker_pb2.RequestDelta,
+                  deltas: dict[int, pb.ChoiceDelta]) -> None:
+        if delta.finish_reason == worker_pb2.FINISH_REASON_ABORT:
+            # The router forgets a dispatch before aborting it, so this abort is the worker's own.
+            self._redispatch(choice, "the worker aborted it")
+            return
+        out = deltas.setdefault(choice.index, pb.ChoiceDelta(index=choice.index))
+        tokens = list(delta.new_token_ids)
+        choice.output += tokens
+        out.token_ids.extend(tokens)
+        if self.request.params.logprobs is not None:
+            out.logprobs.extend(self._logprobs(token, entry)
+                                for token, entry in zip(tokens, delta.logprobs))
+        piece = choice.text.push(tokens)
+        out.text += piece.text
+        if piece.stopped:  # a stop string: the worker would go on, so end it here
+            choice.worker.abort([choice.dispatch_id])
+            self._finish(choice, out, pb.FINISH_REASON_STOP)
+        elif delta.finish_reason != worker_pb2.FINISH_REASON_NONE:
+            choice.worker.forget(choice.dispatch_id)
+            last = choice.text.finish()
+            out.text += last.text
+            self._finish(choice, out, pb.FINISH_REASON_STOP if last.stopped
+                         else _FINISH_REASONS[delta.finish_reason])
+
+    def _on_event(self, choice: _Choice, event: worker_pb2.Event, worker: WorkerClient) -> None:
+        context = {"request_id": self.request.request_id, "choice": choice.index,
+                   "dispatch": choice.dispatch_id, "worker": worker.worker_id}
+        if event.kind == worker_pb2.EVENT_KIND_PREEMPTED:
+            mode = _PREEMPTION_MODES[event.mode]
+            self._counters.count(f"preemptions_{mode}", "choice preempted", mode=mode,
+                                 detail=event.message, **context)
+            if self._span is not None:
+                self._span.add_event("preempted", {
+                    "pagedserve.choice": choice.index, "pagedserve.worker": worker.worker_id,
+                    "pagedserve.preemption.mode": mode})
+            if event.mode != worker_pb2.PREEMPTION_MODE_RECOMPUTE:
+                return
+            if event.message == _DRAINING or worker.draining:
+                self._redispatch(choice, "its worker is draining")
+            else:
+                self._maybe_migrate(choice, worker)
+        elif event.kind == worker_pb2.EVENT_KIND_FAILED:
+            # Before admission the worker judged the request (a bad field, too long for it);
+            # after, the worker itself broke while running it.
+            if not choice.admitted:
+                raise invalid_argument(f"the worker refused the request: {event.message}")
+            raise ApiError(grpc.StatusCode.INTERNAL,
+                           f"worker {worker.worker_id} failed the request: {event.message}")
+        else:  # ADMITTED, RESUMED, FINISHED
+            if event.kind == worker_pb2.EVENT_KIND_ADMITTED:
+                choice.admitted = True
+            log.debug("choice %s", worker_pb2.EventKind.Name(event.kind).removeprefix(
+                "EVENT_KIND_").lower(), extra=context)
+
+    def _finish(self, choice: _Choice, out: pb.ChoiceDelta, reason: int) -> None:
+        choice.finish_reason = out.finish_reason = reason
+        _end_span(choice)
+
+    def _dispatch(self, choice: _Choice, worker: WorkerClient) -> None:
+        choice.worker, choice.dispatch_id = worker, self._next_dispatch_id()
+        choice.admitted = False
+        _end_span(choice)  # the previous dispatch's, when the choice moves
+        if self._trace_parent is not None:
+            choice.span = tracing.start_span("dispatch", parent=self._trace_parent,
+                                             kind=SpanKind.CLIENT, attributes={
+                                                 "pagedserve.choice": choice.index,
+                                                 "pagedserve.worker": worker.worker_id,
+                                                 "pagedserve.dispatch_id": choice.dispatch_id,
+                                                 "pagedserve.prior_output_tokens": len(choice.output)})
+        worker.submit(choice.dispatch_id, self._inbox, choice.index, self.request.prompt_token_ids,
+                      self.request.submit_params(choice.index), self.request.priority,
+                      output_token_ids=choice.output,
+                      trace_context=tracing.inject(choice.span) if choice.span is not None else None)
+        log.debug("choice dispatched", extra={
+            "request_id": self.request.request_id, "choice": choice.index,
+            "dispatch": choice.dispatch_id, "worker": worker.worker_id,
+            "output_tokens": len(choice.output)})
+
+    def _redispatch(self, choice: _Choice, reason: str) -> None:
+        """Moves a choice its worker can no longer run; UNAVAILABLE when nowhere is left."""
+        if choice.moves >= self._config.max_moves_per_choice:
+            raise unavailable(f"choice {choice.index} was moved {choice.moves} times, the "
+                              f"limit; giving up because {reason}")
+        self._move(choice, self._retarget(choice.worker, reason), "redispatches", reason)
+
+    def _maybe_migrate(self, choice: _Choice, source: WorkerClient) -> None:
+        """Moves a choice preempted for recompute to a worker with clearly more free blocks."""
+        live = [c for c in self._choices if not c.finished]
+        if (not self._config.migrate_on_preemption or live != [choice]
+                or choice.moves >= self._config.max_moves_per_choice):
+            return
+        block_size = self._fleet.model.block_size
+        needed = math.ceil((len(self.request.prompt_token_ids) + len(choice.output) + 1)
+                           / block_size)
+        source_free = source.load.free_blocks if source.load else 0
+        targets = [w for w in self._fleet.accepting() if w is not source and w.load is not None]
+        target = max(targets, key=lambda w: w.load.free_blocks, default=None)
+        if target is None or target.load.free_blocks < (
+                needed + self._config.migration_free_ratio * source_free):
+            return
+        self._reservation.move_to(target.worker_id)
+        self._move(choice, target, "migrations",
+                   f"{target.load.free_blocks} free blocks there, {source_free} here")
+
+    def _retarget(self, exclude: WorkerClient | None, reason: str) -> WorkerClient:
+        """Where the request's choices go when `exclude` cannot keep them: its reservation's
+        worker if that still accepts, else one the balancer picks (the reservation follows)."""
+        current = self._fleet.workers.get(self._reservation.worker_id)
+        if current is not None and current is not exclude and current.accepting:
+            return current
+        target = self._fleet.choose(self.request.prompt_token_ids, exclude=exclude)
+        if target is None:
+            raise unavailable(f"no worker is left to continue the request ({reason})")
+        self._reservation.move_to(target.worker_id)
+        return target
+
+    def _move(self, choice: _Choice, target: WorkerClient, counter: str, reason: str) -> None:
+        source = choice.worker
+        source.abort([choice.dispatch_id])  # no-op on a lost worker; frees a live one's blocks
+        choice.moves += 1
+        if self._span is not None:
+            self._span.add_event(_MOVE_EVENTS[counter], {
+                "pagedserve.choice": choice.index, "pagedserve.source_worker": source.worker_id,
+                "pagedserve.target_worker": target.worker_id, "pagedserve.reason": reason,
+                "pagedserve.output_tokens": len(choice.output)})
+        self._dispatch(choice, target)
+        self._counters.count(counter, "choice moved", request_id=self.request.request_id,
+                             choice=choice.index, source=source.worker_id,
+                             target=target.worker_id, reason=reason,
+                             output_tokens=len(choice.output))
+
+    def _logprobs(self, token_id: int, entry: worker_pb2.TokenLogprobs) -> pb.TokenLogprobs:
+        text = self._tokenizer.token_text
+        return pb.TokenLogprobs(
+            sampled=pb.Logprob(token_id=token_id, logprob=entry.logprob, text=text(token_id)),
+            top=[pb.Logprob(token_id=t, logprob=lp, text=text(t))
+                 for t, lp in zip(entry.top_token_ids, entry.top_logprobs)])
+
+    def _response(self, deltas: dict[int, pb.ChoiceDelta]) -> pb.GenerateResponse:
+        response = pb.GenerateResponse(request_id=self.request.request_id, choices=[
+            d for _, d in sorted(deltas.items()) if d.token_ids or d.text or d.finish_reason])
+        if all(c.finished for c in self._choices):
+            prompt, completion = len(self.request.prompt_token_ids), self.completion_tokens
+            response.usage.CopyFrom(pb.Usage(prompt_tokens=prompt, completion_tokens=completion,
+                                             total_tokens=prompt + completion))
+        return response
+
+
+def _end_span(choice: _Choice) -> None:
+    """Ends the span of the choice's current dispatch, if it has one still open."""
+    if choice.span is not None:
+        choice.span.end()
+        choice.span = None

@@ -1,0 +1,102 @@
+"""The router's tokenizer, built from what a worker's Info sends: no model files in the router.
+
+Workers of one model send the same tokenizer, so instances are shared, keyed by a digest of the
+tokenizer fields of Info. Text prompts are encoded with the tokenizer's own special-token rule
+(a Llama 3 tokenizer adds its BOS token, SmolLM2's adds nothing); a chat is rendered with the
+chat template, which writes any special tokens itself, and encoded without adding more.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+
+from tokenizers import Tokenizer
+
+from common.pb import worker_pb2
+
+# Special tokens tokenizer_config.json may name, as transformers' constructor arguments.
+_SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+class ChatTemplateError(ValueError):
+    """The conversation cannot be rendered with the model's chat template."""
+
+
+class RouterTokenizer:
+    """Encodes prompts and decodes tokens exactly as the router's Generate does. Encoding and
+    decoding are safe from several threads (long prompts are tokenized off the event loop)."""
+
+    def __init__(self, hf_tokenizer) -> None:
+        self.hf = hf_tokenizer  # a transformers fast tokenizer; the detokenizer reads it too
+        self._token_texts: dict[int, str] = {}
+
+    @classmethod
+    def from_info(cls, info: worker_pb2.InfoResponse) -> RouterTokenizer:
+        from transformers import PreTrainedTokenizerFast  # heavy import, only when first needed
+
+        config = json.loads(info.tokenizer_config_json or "{}")
+        special = {key: _token_content(config[key]) for key in _SPECIAL_TOKEN_KEYS
+                   if config.get(key) is not None}
+        if info.bos_token:
+            special["bos_token"] = info.bos_token
+        if info.eos_token:
+            special["eos_token"] = info.eos_token
+        backend = Tokenizer.from_str(info.tokenizer_json.decode())
+        return cls(PreTrainedTokenizerFast(tokenizer_object=backend,
+                                           chat_template=info.chat_template or None, **special))
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(self.hf.chat_template)
+
+    def encode_text(self, text: str) -> list[int]:
+        return self.hf.backend_tokenizer.encode(text, add_special_tokens=True).ids
+
+    def encode_chat(self, messages: Sequence[dict[str, str]],
+                    add_generation_prompt: bool = True) -> list[int]:
+        """Renders the conversation with the chat template, then encodes it; raises
+        ChatTemplateError when the model has no template or the template refuses the chat."""
+        if not self.has_chat_template:
+            raise ChatTemplateError("the model has no chat template; send text or token_ids")
+        try:
+            prompt = self.hf.apply_chat_template(list(messages), tokenize=False,
+                                                 add_generation_prompt=add_generation_prompt)
+        except Exception as error:  # jinja errors, including the template's raise_exception()
+            message = f"the chat template cannot render this chat: {error}"
+            raise ChatTemplateError(message) from error
+        return self.hf.backend_tokenizer.encode(prompt, add_special_tokens=False).ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.backend_tokenizer.decode(list(token_ids),
+                                                skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """One token decoded on its own, special tokens included (for logprobs)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.hf.backend_tokenizer.decode(
+                [token_id], skip_special_tokens=False)
+        return text
+
+
+def _token_content(value: str | dict) -> str:
+    """A special token as tokenizer_config.json writes it: a string, or {"content": ...}."""
+    return value["content"] if isinstance(value, dict) else value
+
+
+_shared: dict[str, RouterTokenizer] = {}
+
+
+def tokenizer_for(info: worker_pb2.InfoResponse) -> RouterTokenizer:
+    """The tokenizer of a worker's model, shared with every worker that sends the same one.
+    Blocking (building one takes a fraction of a second): run it in a thread."""
+    digest = hashlib.sha256()
+    for part in (info.tokenizer_json, info.tokenizer_config_json.encode(),
+                 info.chat_template.encode(), info.bos_token.encode(), info.eos_token.encode()):
+        digest.update(len(part).to_bytes(8, "little") + part)
+    key = digest.hexdigest()
+    if key not in _shared:
+        _shared[key] = RouterTokenizer.from_info(info)
+    return _shared[key]

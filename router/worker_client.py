@@ -1,0 +1,230 @@
+"""One worker as the router sees it: its Info, its Session stream and its latest load report.
+
+The router keeps one Session per worker. Everything it sends goes into an outbox queue that a
+single request iterator drains, so writes never interleave. One reader task demultiplexes what
+comes back: every request delta and event goes to the inbox registered for its dispatch id, load
+reports replace `load`. When the stream ends, for whatever reason, every dispatch still
+registered gets a WorkerLost, and the client is finished for good: reconnecting makes a new one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from common.pb import generation_pb2, worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger("pagedserve.router")
+
+CHANNEL_OPTIONS = [
+    # Info carries tokenizer.json, 9 MB for a Llama 3 vocabulary: over gRPC's 4 MiB default.
+    ("grpc.max_receive_message_length", 64 * 2**20),
+    ("grpc.max_send_message_length", 64 * 2**20),
+]
+
+
+class WorkerUnavailable(Exception):
+    """The worker could not be reached, or did not open a session in time."""
+
+
+@dataclass(frozen=True)
+class WorkerLost:
+    """The worker's session ended: nothing more will come for the dispatch."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Incoming:
+    """Something a worker sent about one dispatch, as delivered to the dispatch's inbox."""
+
+    tag: int  # what the dispatch was registered with (the router uses the choice index)
+    dispatch_id: str
+    worker: WorkerClient
+    payload: worker_pb2.RequestDelta | worker_pb2.Event | WorkerLost
+
+
+Inbox = asyncio.Queue[Incoming]
+
+
+@dataclass(frozen=True)
+class _Registration:
+    inbox: Inbox
+    tag: int
+
+
+class WorkerClient:
+    """The router's connection to one worker; see the module docstring."""
+
+    def __init__(self, address: str, router_id: str, *, silence_timeout_s: float = 15.0,
+                 on_load: Callable[[WorkerClient], None] | None = None) -> None:
+        self.address = address
+        self.router_id = router_id
+        self.info: worker_pb2.InfoResponse | None = None
+        self.load: worker_pb2.LoadReport | None = None
+        self.alive = False
+        self.lost_reason: str | None = None
+        # The worker reports a load several times a second; this much silence means it is gone
+        # even when TCP has not noticed (a partition, a frozen host).
+        self._silence_timeout_s = silence_timeout_s
+        self._on_load = on_load
+        self._draining = False
+        self._outbox: asyncio.Queue[worker_pb2.RouterMessage | None] = asyncio.Queue()
+        self._dispatches: dict[str, _Registration] = {}
+        self._channel: grpc.aio.Channel | None = None
+        self._call: grpc.aio.StreamStreamCall | None = None
+        self._reader: asyncio.Task | None = None
+        self._closed = asyncio.Event()
+
+    def __repr__(self) -> str:
+        return f"WorkerClient({self.address}, {self.worker_id or 'not connected'})"
+
+    @property
+    def worker_id(self) -> str:
+        return self.info.worker_id if self.info else ""
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    @property
+    def accepting(self) -> bool:
+        """Whether new dispatches should come here."""
+        return self.alive and not self._draining
+
+    @property
+    def kv_usage(self) -> float:
+        """Share of the worker's KV blocks in use, over every router's requests."""
+        if self.load is None or self.load.total_blocks <= 0:
+            return 0.0
+        return self.load.used_blocks / self.load.total_blocks
+
+    async def connect(self, timeout_s: float) -> worker_pb2.InfoResponse:
+        """Fetches Info and opens the session (Hello, then the worker's first load report).
+        Raises WorkerUnavailable."""
+        self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        stub = worker_pb2_grpc.WorkerStub(self._channel)
+        try:
+            self.info = await stub.Info(worker_pb2.InfoRequest(), timeout=timeout_s)
+            self._outbox.put_nowait(worker_pb2.RouterMessage(
+                hello=worker_pb2.Hello(router_id=self.router_id)))
+            self._call = stub.Session(self._outgoing())
+            first = await asyncio.wait_for(self._call.read(), timeout_s)
+        except (grpc.aio.AioRpcError, asyncio.TimeoutError) as error:
+            await self._channel.close()
+            detail = (f"{error.code().name}: {error.details()}"
+                      if isinstance(error, grpc.aio.AioRpcError) else f"no answer in {timeout_s} s")
+            raise WorkerUnavailable(f"worker at {self.address} is unavailable: {detail}") from None
+        if first is grpc.aio.EOF:
+            await self._channel.close()
+            raise WorkerUnavailable(f"worker at {self.address} closed the session at once")
+        self.alive = True
+        self._handle(first)
+        self._reader = asyncio.create_task(self._read(), name=f"session-{self.address}")
+        return self.info
+
+    def submit(self, dispatch_id: str, inbox: Inbox, tag: int, prompt_token_ids: Sequence[int],
+               params: generation_pb2.SamplingParameters, priority: int = 0,
+               output_token_ids: Sequence[int] = (),
+               trace_context: Mapping[str, str] | None = None) -> None:
+        """Sends a request; what the worker says about it arrives in `inbox`. On a worker that is
+        already lost the inbox gets a WorkerLost at once. `trace_context` (W3C) makes the
+        worker's span for the request a child of the span it names."""
+        if not self.alive:
+            inbox.put_nowait(Incoming(tag, dispatch_id, self,
+                                      WorkerLost(self.lost_reason or "not connected")))
+            return
+        self._dispatches[dispatch_id] = _Registration(inbox, tag)
+        self._outbox.put_nowait(worker_pb2.RouterMessage(submit=worker_pb2.Submit(
+            request_id=dispatch_id, prompt_token_ids=prompt_token_ids, params=params,
+            priority=priority, output_token_ids=output_token_ids, trace_context=trace_context)))
+
+    def forget(self, dispatch_id: str) -> None:
+        """Stops delivering messages about a dispatch (the worker may still hold it)."""
+        self._dispatches.pop(dispatch_id, None)
+
+    def abort(self, dispatch_ids: Sequence[str]) -> None:
+        """Forgets dispatches and asks the worker to end them (ids it no longer knows are
+        ignored by the worker, so aborting one that just finished is harmless)."""
+        for dispatch_id in dispatch_ids:
+            self.forget(dispatch_id)
+        if self.alive and dispatch_ids:
+            self._outbox.put_nowait(worker_pb2.RouterMessage(
+                abort=worker_pb2.Abort(request_ids=dispatch_ids)))
+
+    def drain(self) -> None:
+        """Asks the worker to hand back every request and admit no more."""
+        self._draining = True
+        if self.alive:
+            self._outbox.put_nowait(worker_pb2.RouterMessage(drain=worker_pb2.Drain()))
+
+    async def wait_closed(self) -> None:
+        await self._closed.wait()
+
+    async def close(self) -> None:
+        """Ends the session (the worker then aborts this router's requests) and the channel."""
+        self._lose("closed by the router")
+        if self._reader is not None:
+            self._reader.cancel()
+        if self._channel is not None:
+            await self._channel.close()
+
+    async def _outgoing(self) -> AsyncIterator[worker_pb2.RouterMessage]:
+        while (message := await self._outbox.get()) is not None:
+            yield message
+
+    async def _read(self) -> None:
+        reason = "the worker ended the session"
+        try:
+            while True:
+                message = await asyncio.wait_for(self._call.read(), self._silence_timeout_s)
+                if message is grpc.aio.EOF:
+                    break
+                self._handle(message)
+        except asyncio.TimeoutError:
+            reason = f"no message from the worker for {self._silence_timeout_s:g} s"
+            self._call.cancel()
+        except grpc.aio.AioRpcError as error:
+            reason = f"session failed: {error.code().name}: {error.details()}"
+        finally:
+            self._lose(reason)
+
+    def _handle(self, message: worker_pb2.WorkerMessage) -> None:
+        kind = message.WhichOneof("kind")
+        if kind == "step":
+            for delta in message.step.deltas:
+                self._deliver(delta.request_id, delta)
+        elif kind == "event":
+            event = message.event
+            if event.kind == worker_pb2.EVENT_KIND_DRAINED:
+                self._draining = True
+                log.info("worker drained", extra={"worker": self.worker_id})
+            else:
+                self._deliver(event.request_id, event)
+        elif kind == "load":
+            self.load = message.load
+            self._draining |= message.load.draining
+            if self._on_load is not None:
+                self._on_load(self)
+
+    def _deliver(self, dispatch_id: str,
+                 payload: worker_pb2.RequestDelta | worker_pb2.Event) -> None:
+        registration = self._dispatches.get(dispatch_id)
+        if registration is not None:  # else abandoned: late news about it is of no interest
+            registration.inbox.put_nowait(Incoming(registration.tag, dispatch_id, self, payload))
+
+    def _lose(self, reason: str) -> None:
+        if self._closed.is_set():
+            return
+        self.alive = False
+        self.lost_reason = reason
+        self._outbox.put_nowait(None)  # ends the request iterator: the session is half-closed
+        lost = WorkerLost(f"worker {self.worker_id or self.address} lost: {reason}")
+        for dispatch_id, registration in self._dispatches.items():
+            registration.inbox.put_nowait(Incoming(registration.tag, dispatch_id, self, lost))
+        self._dispatches.clear()
+        self._closed.set()
