@@ -1,0 +1,297 @@
+"""Prometheus metrics of the router and the worker: stable names, one registry per process.
+
+Every series starts with `pagedserve_router_` or `pagedserve_worker_` and carries the served
+model's name as label `model_name`; docs/observability.md lists them all. Instrumentation code
+calls the event methods of `RouterMetrics` / `WorkerMetrics` (`admitted`, `first_token`,
+`finished`, `step`, ...), which hold pre-labelled children: a call costs a few lock-and-adds and
+no label lookup.
+
+The worker's state gauges and its engine counters (KV usage, running/waiting/swapped,
+preemptions, prefix-cache lookups) are not pushed at all: a collector reads the engine's latest
+stats snapshot when Prometheus scrapes, so the engine loop pays nothing for them. The same
+collector exports the few vLLM-named series that the Kubernetes Gateway API Inference
+Extension's endpoint picker reads by default (`vllm:num_requests_waiting`, ...), so a worker is
+a drop-in endpoint for it without metric-name flags.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Protocol
+
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics,
+                               start_http_server)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+log = logging.getLogger("pagedserve.metrics")
+
+# The `_created` series would double the count of series, and nothing reads them (as in vLLM).
+disable_created_metrics()
+
+ROUTER = "pagedserve_router"
+WORKER = "pagedserve_worker"
+
+# Seconds. Latencies span a cached 1-token prompt on a GPU to a long queue on a CPU.
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+                   1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
+                0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
+STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.04, 0.06,
+                0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0)
+BATCH_TOKEN_BUCKETS = tuple(float(2**i) for i in range(16))     # 1 .. 32768
+BATCH_SEQ_BUCKETS = tuple(float(2**i) for i in range(11))       # 1 .. 1024
+
+PREEMPTION_MODES = ("swap", "recompute")
+# How a request left the worker: its finish reason, or what ended it early.
+WORKER_FINISH_REASONS = ("stop", "length", "abort", "drained", "failed")
+# How a request ended at the router, as its client saw it.
+ROUTER_FINISH_REASONS = ("stop", "length", "abort", "cancelled", "error")
+ROUTER_REJECT_REASONS = ("invalid", "overloaded", "unavailable", "not_found")
+
+
+class _RequestMetrics:
+    """The per-request series router and worker share, under one prefix."""
+
+    def __init__(self, prefix: str, where: str, model_name: str, registry: CollectorRegistry,
+                 finish_reasons: tuple[str, ...]):
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]):
+            return Histogram(f"{prefix}_{name}", doc, ["model_name"], registry=registry,
+                             buckets=buckets).labels(model_name)
+
+        def counter(name: str, doc: str):
+            return Counter(f"{prefix}_{name}", doc, ["model_name"], registry=registry).labels(model_name)
+
+        self.ttft = histogram("time_to_first_token_seconds",
+                              f"Time from a request's arrival at the {where} to its first generated token.",
+                              LATENCY_BUCKETS)
+        self.tpot = histogram("time_per_output_token_seconds",
+                              "Mean time between a request's output tokens after the first, per request "
+                              "that ended with stop or length and produced two tokens or more.",
+                              TPOT_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds",
+                             f"Time from a request's arrival at the {where} to its last token, per request "
+                             "that ended with stop or length.", LATENCY_BUCKETS)
+        self.queue = histogram("request_queue_time_seconds",
+                               f"Time a request waited at the {where} before it was admitted.", LATENCY_BUCKETS)
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests admitted (router) or that "
+                                     "produced their first token (worker).")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        family = Counter(f"{prefix}_requests_finished", f"Requests that left the {where}, by reason.",
+                         ["model_name", "reason"], registry=registry)
+        self.finished = {reason: family.labels(model_name, reason) for reason in finish_reasons}
+
+    def observe_end(self, reason: str, e2e_s: float, ttft_s: float | None, output_tokens: int) -> None:
+        self.finished[reason].inc()
+        if reason in ("stop", "length"):
+            self.e2e.observe(e2e_s)
+            if ttft_s is not None and output_tokens > 1:
+                self.tpot.observe((e2e_s - ttft_s) / (output_tokens - 1))
+
+
+# ---------------------------------------------------------------------------- worker
+
+
+class EngineState(Protocol):
+    """What the worker's collector reads from the engine's stats snapshot (`EngineStats`)."""
+    total_blocks: int
+    free_blocks: int
+    total_swap_blocks: int
+    free_swap_blocks: int
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    preemptions: Mapping[str, int]     # mode -> preemptions since start
+    prefix_queries: int                # KV blocks looked up in the prefix cache
+    prefix_hits: int                   # of those, found
+
+
+class WorkerMetrics:
+    """A worker's metrics. Event methods are called on the engine thread; `state` is called on
+    the scrape thread and must return the latest snapshot without touching the engine."""
+
+    def __init__(self, model_name: str, registry: CollectorRegistry, state: Callable[[], EngineState],
+                 block_size: int):
+        self.requests = _RequestMetrics(WORKER, "worker", model_name, registry, WORKER_FINISH_REASONS)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]):
+            return Histogram(f"{WORKER}_{name}", doc, ["model_name"], registry=registry,
+                             buckets=buckets).labels(model_name)
+
+        self.step_duration = histogram("step_duration_seconds", "Wall time of one engine step that "
+                                       "computed tokens (schedule, forward, sample).", STEP_BUCKETS)
+        self.step_tokens = histogram("step_batch_tokens", "Tokens computed in one engine step "
+                                     "(prompt chunks + decodes).", BATCH_TOKEN_BUCKETS)
+        self.step_seqs = histogram("step_batch_sequences", "Sequences in one engine step.", BATCH_SEQ_BUCKETS)
+        registry.register(_EngineCollector(model_name, state, block_size))
+
+    def step(self, duration_s: float, num_tokens: int, num_seqs: int, num_generated: int) -> None:
+        """One engine step that computed `num_tokens` tokens of `num_seqs` sequences."""
+        self.step_duration.observe(duration_s)
+        self.step_tokens.observe(num_tokens)
+        self.step_seqs.observe(num_seqs)
+        if num_generated:
+            self.requests.generation_tokens.inc(num_generated)
+
+    def admitted(self, queue_time_s: float) -> None:
+        """A request joined the running batch for the first time."""
+        self.requests.queue.observe(queue_time_s)
+
+    def first_token(self, ttft_s: float, prompt_tokens: int) -> None:
+        self.requests.ttft.observe(ttft_s)
+        self.requests.prompt_tokens.inc(prompt_tokens)
+
+    def finished(self, reason: str, e2e_s: float, ttft_s: float | None, output_tokens: int) -> None:
+        """A request left the worker; `reason` is one of WORKER_FINISH_REASONS. Latency
+        histograms take only requests that completed (stop, length)."""
+        self.requests.observe_end(reason, e2e_s, ttft_s, output_tokens)
+
+
+class _EngineCollector(Collector):
+    """Builds the worker's state series from the engine's latest stats at scrape time."""
+
+    def __init__(self, model_name: str, state: Callable[[], EngineState], block_size: int):
+        self.model_name = model_name
+        self.state = state
+        self.block_size = block_size
+        self.started = time.time()
+
+    def collect(self) -> Iterator[Metric]:
+        s, m = self.state(), self.model_name
+        kv_usage = 1 - s.free_blocks / s.total_blocks if s.total_blocks else 0.0
+        swap_usage = 1 - s.free_swap_blocks / s.total_swap_blocks if s.total_swap_blocks else 0.0
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([m], value)
+            return family
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([m], value)
+            return family
+
+        yield gauge(f"{WORKER}_requests_running", "Requests in the running batch.", s.num_running)
+        yield gauge(f"{WORKER}_requests_waiting", "Requests queued and not admitted yet, or preempted "
+                    "for recompute.", s.num_waiting)
+        yield gauge(f"{WORKER}_requests_swapped", "Requests swapped out to host memory.", s.num_swapped)
+        yield gauge(f"{WORKER}_kv_cache_usage_ratio", "Fraction of GPU KV-cache blocks holding tokens of "
+                    "requests (cached prefix blocks no request uses count as free), 0 to 1.", kv_usage)
+        yield gauge(f"{WORKER}_swap_space_usage_ratio", "Fraction of host swap blocks in use, 0 to 1.",
+                    swap_usage)
+        blocks = GaugeMetricFamily(f"{WORKER}_kv_cache_blocks", "KV-cache blocks of the pool "
+                                   "(gpu: device pool, cpu: host swap space).", labels=["model_name", "pool"])
+        blocks.add_metric([m, "gpu"], s.total_blocks)
+        blocks.add_metric([m, "cpu"], s.total_swap_blocks)
+        yield blocks
+        yield counter(f"{WORKER}_prefix_cache_queries", "KV blocks of prompts looked up in the prefix "
+                      "cache.", s.prefix_queries)
+        yield counter(f"{WORKER}_prefix_cache_hits", "KV blocks of prompts found in the prefix cache.",
+                      s.prefix_hits)
+        preemptions = CounterMetricFamily(f"{WORKER}_preemptions", "Requests taken off the GPU, by how "
+                                          "their blocks were given up.", labels=["model_name", "mode"])
+        for mode in PREEMPTION_MODES:
+            preemptions.add_metric([m, mode], s.preemptions.get(mode, 0))
+        yield preemptions
+
+        # vLLM's names, as the Gateway API Inference Extension's endpoint picker reads them by default.
+        yield gauge("vllm:num_requests_running", "Alias of pagedserve_worker_requests_running.", s.num_running)
+        yield gauge("vllm:num_requests_waiting", "Alias of pagedserve_worker_requests_waiting.", s.num_waiting)
+        yield gauge("vllm:gpu_cache_usage_perc", "Alias of pagedserve_worker_kv_cache_usage_ratio (0 to 1).",
+                    kv_usage)
+        yield gauge("vllm:kv_cache_usage_perc", "Alias of pagedserve_worker_kv_cache_usage_ratio (0 to 1).",
+                    kv_usage)
+        cache = GaugeMetricFamily("vllm:cache_config_info", "KV-cache layout (the value is always 1).",
+                                  labels=["model_name", "block_size", "num_gpu_blocks"])
+        cache.add_metric([m, str(self.block_size), str(s.total_blocks)], 1)
+        yield cache
+        # No LoRA adapters are served: the series says so instead of being missing, which the
+        # endpoint picker would log as a scrape error on every poll.
+        lora = GaugeMetricFamily("vllm:lora_requests_info", "LoRA adapters (none: pagedserve serves no "
+                                 "adapters); the value is when this was last updated, in Unix seconds.",
+                                 labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+        lora.add_metric(["0", "", ""], self.started)
+        yield lora
+
+
+# ---------------------------------------------------------------------------- router
+
+
+class RouterMetrics:
+    """A router's metrics. `running`, `waiting` and `ready_workers` are read at scrape time, on
+    the scrape thread: they must be cheap, non-blocking reads (for example a len())."""
+
+    def __init__(self, model_name: str, registry: CollectorRegistry, *, running: Callable[[], float],
+                 waiting: Callable[[], float], ready_workers: Callable[[], float]):
+        self.requests = _RequestMetrics(ROUTER, "router", model_name, registry, ROUTER_FINISH_REASONS)
+
+        def gauge(name: str, doc: str, read: Callable[[], float]) -> None:
+            Gauge(f"{ROUTER}_{name}", doc, ["model_name"], registry=registry).labels(model_name).set_function(read)
+
+        def counter(name: str, doc: str):
+            return Counter(f"{ROUTER}_{name}", doc, ["model_name"], registry=registry).labels(model_name)
+
+        gauge("requests_running", "Requests admitted and not finished.", running)
+        gauge("requests_waiting", "Requests in the admission queue.", waiting)
+        gauge("workers_ready", "Workers with an open session that accept requests.", ready_workers)
+        rejected = Counter(f"{ROUTER}_requests_rejected", "Requests refused before generation, by reason.",
+                           ["model_name", "reason"], registry=registry)
+        self._rejected = {reason: rejected.labels(model_name, reason) for reason in ROUTER_REJECT_REASONS}
+        preempted = Counter(f"{ROUTER}_preemptions", "PREEMPTED events from workers, by mode.",
+                            ["model_name", "mode"], registry=registry)
+        self._preempted = {mode: preempted.labels(model_name, mode) for mode in PREEMPTION_MODES}
+        self._migrations = counter("migrations", "Preempted requests the router moved to another worker.")
+        self._redispatches = counter("redispatches", "Requests resubmitted after their worker was lost "
+                                     "or drained.")
+        self._workers_lost = counter("workers_lost", "Worker sessions that ended while in use.")
+
+    def rejected(self, reason: str, count: int = 1) -> None:
+        """`count` requests were refused; `reason` is one of ROUTER_REJECT_REASONS."""
+        self._rejected[reason].inc(count)
+
+    def admitted(self, queue_time_s: float, prompt_tokens: int) -> None:
+        """A request left the admission queue for a worker."""
+        self.requests.queue.observe(queue_time_s)
+        self.requests.prompt_tokens.inc(prompt_tokens)
+
+    def first_token(self, ttft_s: float) -> None:
+        self.requests.ttft.observe(ttft_s)
+
+    def finished(self, reason: str, e2e_s: float, ttft_s: float | None, output_tokens: int) -> None:
+        """A request's stream ended; `reason` is one of ROUTER_FINISH_REASONS. Counts its
+        output tokens; latency histograms take only requests that completed (stop, length)."""
+        self.requests.generation_tokens.inc(output_tokens)
+        self.requests.observe_end(reason, e2e_s, ttft_s, output_tokens)
+
+    def preempted(self, mode: str) -> None:
+        self._preempted[mode].inc()
+
+    def migrated(self) -> None:
+        self._migrations.inc()
+
+    def redispatched(self) -> None:
+        self._redispatches.inc()
+
+    def worker_lost(self) -> None:
+        self._workers_lost.inc()
+
+
+# ---------------------------------------------------------------------------- serving
+
+
+def serve_metrics(registry: CollectorRegistry, port: int, host: str = "0.0.0.0") -> int | None:
+    """Serves `registry` at http://host:port/metrics on a daemon thread; port 0 turns it off.
+
+    Returns the port, or None when off or when the port is taken: metrics are not worth failing
+    a serving process for, so that is logged, not raised."""
+    if not port:
+        return None
+    try:
+        server, _ = start_http_server(port, host, registry)
+    except OSError as e:
+        log.error("cannot serve metrics on %s:%d (%s); /metrics is off: choose another --metrics-port",
+                  host, port, e)
+        return None
+    return server.server_port

@@ -1,0 +1,471 @@
+"""The OpenAI-compatible HTTP API of the router.
+
+`POST /v1/completions` and `/v1/chat/completions` (with SSE streaming and usage),
+`GET /v1/models`, `POST /tokenize` and `/detokenize`, `GET /health` and `GET /metrics`. A
+request is translated into the gRPC API's `GenerateRequest` and goes through the same
+validation, admission and dispatch (`GenerationService.stream`), so both APIs behave alike;
+errors come back as OpenAI-style JSON with the status the gRPC code maps to. With tracing on, a
+request's span continues the trace of its W3C `traceparent` header.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+from aiohttp import web
+
+from common import tracing
+from common.pb import generation_pb2 as pb
+from router.errors import ApiError
+
+log = logging.getLogger("pagedserve.http")
+
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+              413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable",
+              504: "timeout", 500: "internal_error"}
+FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort"}
+MAX_BODY_BYTES = 8 * 2**20
+REQUEST_ID = web.RequestKey("request_id", str)
+
+
+class HttpError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 retry_after_s: float | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.retry_after_s = status, message, param, retry_after_s
+
+    @classmethod
+    def from_api(cls, error: ApiError, renames: dict[str, str]) -> HttpError:
+        """The gRPC error as the HTTP client sees it: fields named as in its request."""
+        message = error.message
+        for grpc_name, http_name in renames.items():
+            if message.startswith(grpc_name):
+                message = http_name + message[len(grpc_name):]
+                break
+        param = message.split("=", 1)[0].split(" ", 1)[0].rstrip(":") if error.code == \
+            grpc.StatusCode.INVALID_ARGUMENT else None
+        return cls(HTTP_STATUS.get(error.code, 500), message, param, error.retry_after_s)
+
+    def response(self) -> web.Response:
+        headers = {"Retry-After": str(math.ceil(self.retry_after_s))} if self.retry_after_s else None
+        body = {"error": {"message": self.message, "type": ERROR_TYPE.get(self.status, "error"),
+                          "param": self.param, "code": self.status}}
+        return web.json_response(body, status=self.status, headers=headers)
+
+
+# ------------------------------------------------------------------ request parsing
+
+def _field(body: dict, name: str, kinds: tuple[type, ...], default: Any = None) -> Any:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    # bool is an int in Python: only accept it where bool is asked for.
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        allowed = " or ".join("boolean" if k is bool else "integer" if k is int else "number"
+                              if k is float else "string" if k is str else "array" if k is list
+                              else "object" for k in kinds)
+        raise HttpError(400, f"{name} must be {allowed}, got {json.dumps(value)[:80]}", name)
+    return value
+
+
+def sampling_parameters(body: dict, *, chat: bool) -> pb.SamplingParameters:
+    """OpenAI fields plus the gRPC API's extra sampling fields, type-checked; ranges are
+    checked with the gRPC API's rules later."""
+    p = pb.SamplingParameters()
+    max_tokens = _field(body, "max_completion_tokens", (int,)) if chat else None
+    max_tokens = max_tokens if max_tokens is not None else _field(body, "max_tokens", (int,))
+    if max_tokens is not None:
+        p.max_tokens = max_tokens
+    for name in ("temperature", "top_p", "repetition_penalty"):
+        value = _field(body, name, (int, float))
+        if value is not None:
+            setattr(p, name, value)
+    for name in ("presence_penalty", "frequency_penalty", "min_p"):
+        setattr(p, name, _field(body, name, (int, float), 0.0))
+    for name in ("n", "top_k"):
+        value = _field(body, name, (int,))
+        if value is not None:
+            setattr(p, name, value)
+    seed = _field(body, "seed", (int,))
+    if seed is not None:
+        if seed < 0:
+            raise HttpError(400, f"seed={seed} is invalid: must be an integer in [0, 2^63)", "seed")
+        p.seed = seed
+    p.min_tokens = _field(body, "min_tokens", (int,), 0)
+    p.ignore_eos = _field(body, "ignore_eos", (bool,), False)
+    stop = _field(body, "stop", (str, list), [])
+    stop = [stop] if isinstance(stop, str) else stop
+    if not all(isinstance(s, str) for s in stop):
+        raise HttpError(400, "stop must be a string or an array of strings", "stop")
+    p.stop.extend(stop)
+    stop_ids = _field(body, "stop_token_ids", (list,), [])
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
+        raise HttpError(400, "stop_token_ids must be an array of integers", "stop_token_ids")
+    p.stop_token_ids.extend(stop_ids)
+    if chat:
+        if _field(body, "logprobs", (bool,), False):
+            p.logprobs = _field(body, "top_logprobs", (int,), 0)
+        elif body.get("top_logprobs") is not None:
+            raise HttpError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+    else:
+        logprobs = _field(body, "logprobs", (int,))
+        if logprobs is not None:
+            p.logprobs = logprobs
+    best_of = _field(body, "best_of", (int,))
+    if best_of is not None and best_of != (p.n if p.HasField("n") else 1):
+        raise HttpError(400, "best_of is not supported (it must equal n)", "best_of")
+    if not chat and _field(body, "echo", (bool,), False):
+        raise HttpError(400, "echo=true is not supported", "echo")
+    if _field(body, "logit_bias", (dict,), {}):
+        raise HttpError(400, "logit_bias is not supported", "logit_bias")
+    return p
+
+
+def generate_request(body: dict, *, chat: bool, request_id: str) -> pb.GenerateRequest:
+    request = pb.GenerateRequest(model=_field(body, "model", (str,), ""), request_id=request_id,
+                                 params=sampling_parameters(body, chat=chat),
+                                 priority=_field(body, "priority", (int,), 0),
+                                 include_stop_str_in_output=_field(body, "include_stop_str_in_output", (bool,), False))
+    skip = _field(body, "skip_special_tokens", (bool,))
+    if skip is not None:
+        request.skip_special_tokens = skip
+    if chat:
+        request.chat.CopyFrom(chat_messages(body))
+        return request
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]                       # a batch of one
+    if isinstance(prompt, str):
+        request.text = prompt
+    elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        request.token_ids.ids.extend(prompt)
+    elif prompt is None:
+        raise HttpError(400, "prompt is required", "prompt")
+    else:
+        raise HttpError(400, "prompt must be a string, an array of token ids, or an array "
+                        "holding one of those (batches of several prompts are not supported)", "prompt")
+    return request
+
+
+def chat_messages(body: dict) -> pb.ChatMessages:
+    messages = _field(body, "messages", (list,))
+    if not messages:
+        raise HttpError(400, "messages is required and must not be empty", "messages")
+    chat = pb.ChatMessages()
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise HttpError(400, f"messages[{i}] must be an object with a string role", f"messages[{i}]")
+        content = m.get("content") or ""
+        if isinstance(content, list):          # content parts: only text is understood
+            if any(not isinstance(part, dict) or part.get("type") != "text" for part in content):
+                raise HttpError(400, f"messages[{i}].content: only text parts are supported",
+                                f"messages[{i}].content")
+            content = "".join(part.get("text", "") for part in content)
+        if not isinstance(content, str):
+            raise HttpError(400, f"messages[{i}].content must be a string or text parts",
+                            f"messages[{i}].content")
+        chat.messages.add(role=m["role"], content=content)
+    return chat
+
+
+# ------------------------------------------------------------------ responses
+
+def _completion_logprobs(entries, text_offset: int) -> dict:
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    for entry in entries:
+        tokens.append(entry.sampled.text)
+        token_logprobs.append(entry.sampled.logprob)
+        top.append({t.text: t.logprob for t in entry.top})
+        offsets.append(text_offset)
+        text_offset += len(entry.sampled.text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def _chat_logprobs(entries) -> dict:
+    def one(lp):
+        return {"token": lp.text, "logprob": lp.logprob, "bytes": list(lp.text.encode())}
+    return {"content": [one(e.sampled) | {"top_logprobs": [one(t) for t in e.top]} for e in entries]}
+
+
+class Accumulator:
+    """Collects the stream of one request into whole choices (non-streaming responses)."""
+
+    def __init__(self, n: int, chat: bool, want_logprobs: bool):
+        self.chat, self.want_logprobs = chat, want_logprobs
+        self.text = [""] * n
+        self.logprobs: list[list] = [[] for _ in range(n)]
+        self.finish: list[str | None] = [None] * n
+        self.usage: pb.Usage | None = None
+
+    def add(self, response: pb.GenerateResponse) -> None:
+        for c in response.choices:
+            self.text[c.index] += c.text
+            self.logprobs[c.index].extend(c.logprobs)
+            if c.finish_reason:
+                self.finish[c.index] = FINISH.get(c.finish_reason)
+        if response.HasField("usage") and response.usage.completion_tokens + response.usage.total_tokens:
+            self.usage = response.usage
+
+    def choices(self) -> list[dict]:
+        out = []
+        for i, text in enumerate(self.text):
+            logprobs = None
+            if self.want_logprobs:
+                logprobs = _chat_logprobs(self.logprobs[i]) if self.chat else _completion_logprobs(self.logprobs[i], 0)
+            choice = {"index": i, "logprobs": logprobs, "finish_reason": self.finish[i]}
+            choice |= {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
+            out.append(choice)
+        return out
+
+
+def usage_json(usage: pb.Usage | None) -> dict:
+    usage = usage or pb.Usage()
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.total_tokens}
+
+
+# ------------------------------------------------------------------ the server
+
+class OpenAIApi:
+    def __init__(self, service, *, api_key: str | None = None, cors_origins: list[str] | None = None,
+                 metrics: Callable[[], bytes] | None = None, ready: Callable[[], bool] = lambda: True):
+        """`service`: the router's GenerationService (`stream`, `reject`, `served_model`,
+        `tokenize`, `detokenize`); `metrics` renders the Prometheus text of the router."""
+        self.service, self.api_key, self.cors_origins = service, api_key, cors_origins or []
+        self.metrics, self.ready = metrics, ready
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_BODY_BYTES,
+                              middlewares=[self._request_id, self._errors, self._cors, self._auth])
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.prometheus)
+        return app
+
+    # ---------------------------------------------------------------- middlewares
+
+    @web.middleware
+    async def _request_id(self, request: web.Request, handler):
+        request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        request[REQUEST_ID] = request_id
+        response = await handler(request)
+        response.headers["X-Request-Id"] = request_id
+        return response
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler):
+        try:
+            return await handler(request)
+        except HttpError as error:
+            log.info("http request rejected", extra={"request_id": request[REQUEST_ID],
+                                                     "status": error.status, "error": error.message})
+            return error.response()
+        except web.HTTPRequestEntityTooLarge:
+            return HttpError(413, f"request body too large: at most {MAX_BODY_BYTES} bytes").response()
+        except web.HTTPException as error:
+            if error.status < 400:
+                raise
+            return HttpError(error.status, error.reason or "error").response()
+        except Exception:
+            log.exception("http request failed", extra={"request_id": request[REQUEST_ID]})
+            return HttpError(500, f"internal error (logged with request id {request['request_id']})").response()
+
+    @web.middleware
+    async def _cors(self, request: web.Request, handler):
+        origin = request.headers.get("Origin")
+        allowed = origin and ("*" in self.cors_origins or origin in self.cors_origins)
+        if request.method == "OPTIONS" and allowed:
+            response = web.Response(status=204)
+        else:
+            response = await handler(request)
+        if allowed:
+            response.headers["Access-Control-Allow-Origin"] = origin
+            response.headers["Access-Control-Allow-Headers"] = "Authorization, Content-Type, X-Request-Id"
+            response.headers["Access-Control-Allow-Methods"] = "GET, POST, OPTIONS"
+            response.headers["Access-Control-Expose-Headers"] = "X-Request-Id"
+        return response
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler):
+        if self.api_key and request.path.startswith("/v1/"):
+            if request.headers.get("Authorization", "") != f"Bearer {self.api_key}":
+                raise HttpError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'")
+        return await handler(request)
+
+    # ---------------------------------------------------------------- helpers
+
+    async def _body(self, request: web.Request) -> dict:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise HttpError(400, f"the body is not valid JSON: {error}") from None
+        if not isinstance(body, dict):
+            raise HttpError(400, "the body must be a JSON object")
+        return body
+
+    def _model_name(self, body: dict) -> str:
+        return body.get("model") or self._served().names[0]
+
+    def _served(self):
+        try:
+            return self.service.served_model()
+        except ApiError as error:
+            raise HttpError.from_api(error, {}) from None
+
+    # ---------------------------------------------------------------- generation
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        try:
+            body = await self._body(request)
+            grpc_request = generate_request(body, chat=chat, request_id=request[REQUEST_ID])
+            stream = _field(body, "stream", (bool,), False)
+            include_usage = bool((_field(body, "stream_options", (dict,), {}) or {}).get("include_usage"))
+        except HttpError as error:      # refused before the service saw it: count it there
+            self.service.reject("invalid", request[REQUEST_ID], error.message)
+            raise
+        renames = {"params.": "", "text": "prompt", "token_ids.ids": "prompt", "chat.messages": "messages",
+                   "chat": "messages"}
+        parent = tracing.extract(request.headers) if tracing.enabled() else None
+        responses = self.service.stream(grpc_request, parent)
+        try:
+            first = await anext(responses)          # errors before any output become statuses
+        except ApiError as error:
+            raise HttpError.from_api(error, renames) from None
+        except StopAsyncIteration:
+            first = None
+        meta = {"id": ("chatcmpl-" if chat else "cmpl-") + request[REQUEST_ID],
+                "created": int(time.time()), "model": self._model_name(body)}
+        want_logprobs = grpc_request.params.HasField("logprobs")
+        n = grpc_request.params.n if grpc_request.params.HasField("n") else 1
+        if not stream:
+            acc = Accumulator(n, chat, want_logprobs)
+            try:
+                async for response in _prepend(first, responses):
+                    acc.add(response)
+            except ApiError as error:
+                raise HttpError.from_api(error, renames) from None
+            return web.json_response(meta | {"object": "chat.completion" if chat else "text_completion",
+                                             "choices": acc.choices(), "usage": usage_json(acc.usage)})
+        return await self._sse(request, meta, _prepend(first, responses), chat=chat, n=n,
+                               want_logprobs=want_logprobs, include_usage=include_usage)
+
+    async def _sse(self, request: web.Request, meta: dict, responses: AsyncIterator[pb.GenerateResponse], *,
+                   chat: bool, n: int, want_logprobs: bool, include_usage: bool) -> web.StreamResponse:
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                          "X-Request-Id": request[REQUEST_ID]})
+        await out.prepare(request)
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        async def send(payload: dict) -> None:
+            await out.write(b"data: " + json.dumps(meta | {"object": obj} | payload).encode() + b"\n\n")
+
+        if chat:
+            await send({"choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                     "logprobs": None, "finish_reason": None} for i in range(n)]})
+        usage = None
+        offsets = [0] * n
+        try:
+            async for response in responses:
+                choices = []
+                for c in response.choices:
+                    logprobs = None
+                    if want_logprobs and c.logprobs:
+                        logprobs = _chat_logprobs(c.logprobs) if chat else _completion_logprobs(c.logprobs, offsets[c.index])
+                    offsets[c.index] += len(c.text)
+                    choice = {"index": c.index, "logprobs": logprobs, "finish_reason": FINISH.get(c.finish_reason)}
+                    choice |= {"delta": {"content": c.text}} if chat else {"text": c.text}
+                    if c.text or c.finish_reason or logprobs:
+                        choices.append(choice)
+                if choices:
+                    await send({"choices": choices})
+                if response.HasField("usage"):
+                    usage = response.usage
+        except ApiError as error:
+            # Headers are gone: report the error in the stream, as OpenAI servers do.
+            http = HttpError.from_api(error, {})
+            await out.write(b"data: " + json.dumps({"error": {"message": http.message, "code": http.status}}).encode()
+                            + b"\n\n")
+        except ConnectionResetError:
+            # The client went away: closing the stream aborts the request on its worker.
+            await responses.aclose()
+            return out
+        if include_usage:
+            await send({"choices": [], "usage": usage_json(usage)})
+        await out.write(b"data: [DONE]\n\n")
+        await out.write_eof()
+        return out
+
+    # ---------------------------------------------------------------- the rest
+
+    async def models(self, request: web.Request) -> web.Response:
+        served = self._served()
+        return web.json_response({"object": "list", "data": [
+            {"id": name, "object": "model", "created": 0, "owned_by": "pagedserve",
+             "max_model_len": served.max_model_len} for name in served.names]})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        tokenize = pb.TokenizeRequest(model=_field(body, "model", (str,), ""))
+        if "messages" in body:
+            tokenize.chat.CopyFrom(chat_messages(body))
+        else:
+            tokenize.text = _field(body, "prompt", (str,), "")
+        try:
+            result = await self.service.tokenize(tokenize)
+        except ApiError as error:
+            raise HttpError.from_api(error, {"text": "prompt", "chat": "messages"}) from None
+        served = self._served()
+        return web.json_response({"tokens": list(result.token_ids), "count": result.count,
+                                  "max_model_len": served.max_model_len})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        tokens = _field(body, "tokens", (list,), [])
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+            raise HttpError(400, "tokens must be an array of integers", "tokens")
+        try:
+            result = await self.service.detokenize(pb.DetokenizeRequest(
+                model=_field(body, "model", (str,), ""), token_ids=tokens))
+        except ApiError as error:
+            raise HttpError.from_api(error, {"token_ids": "tokens"}) from None
+        return web.json_response({"prompt": result.text})
+
+    async def health(self, request: web.Request) -> web.Response:
+        if not self.ready():
+            raise HttpError(503, "no worker is serving yet")
+        return web.json_response({"status": "ok"})
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        if self.metrics is None:
+            raise HttpError(404, "metrics are not enabled")
+        return web.Response(body=self.metrics(), content_type="text/plain", charset="utf-8",
+                            headers={"Cache-Control": "no-cache"})
+
+
+async def _prepend(first, rest: AsyncIterator):
+    if first is not None:
+        yield first
+    async for item in rest:
+        yield item

@@ -1,0 +1,245 @@
+"""The OpenAI-compatible HTTP API, driven by the official `openai` client and raw HTTP.
+
+One worker process and a router process (`pagedserve serve --role router`) with an API key;
+each test states one behaviour of the HTTP API a client relies on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import httpx
+import openai
+import pytest
+from worker_process import WorkerProcess, free_port
+
+from common.pb import generation_pb2 as pb
+from common.pb import generation_pb2_grpc
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parent.parent
+API_KEY = "test-key"
+PROMPT = "The capital of France is"
+
+
+class RouterProcess:
+    """`python -m common.cli serve --role router` on loopback, ready once /health answers 200."""
+
+    def __init__(self, workers: list[str], *flags: str, wait_for_workers: bool = True):
+        self.grpc_port, self.http_port = free_port(), free_port()
+        self.url = f"http://127.0.0.1:{self.http_port}"
+        command = [sys.executable, "-m", "common.cli", "serve", "--role", "router", "--host", "127.0.0.1",
+                   "--port", str(self.grpc_port), "--http-port", str(self.http_port),
+                   "--workers", *workers, *flags]
+        self.log_file = open(REPO / f".router-{self.http_port}.log", "w+")
+        self.process = subprocess.Popen(command, cwd=REPO, stdout=self.log_file, stderr=subprocess.STDOUT,
+                                        env={**os.environ, "PYTHONPATH": str(REPO)})
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, self.log()
+            with contextlib.suppress(httpx.HTTPError):
+                status = httpx.get(f"{self.url}/health", timeout=1).status_code
+                if status == 200 or (status == 503 and not wait_for_workers):
+                    return
+            time.sleep(0.2)
+        raise TimeoutError(self.log())
+
+    def log(self) -> str:
+        self.log_file.seek(0)
+        return self.log_file.read()[-3000:]
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+        self.log_file.close()
+        os.unlink(self.log_file.name)
+
+
+@pytest.fixture(scope="module")
+def worker():
+    with WorkerProcess() as w:
+        yield w
+
+
+@pytest.fixture(scope="module")
+def router(worker):
+    r = RouterProcess([worker.address], "--api-key", API_KEY)
+    yield r
+    r.stop()
+
+
+@pytest.fixture(scope="module")
+def client(router) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{router.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def model(client) -> str:
+    return client.models.list().data[0].id
+
+
+def grpc_text(router: RouterProcess, request: pb.GenerateRequest) -> str:
+    with grpc.insecure_channel(f"127.0.0.1:{router.grpc_port}") as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        return "".join(c.text for r in stub.Generate(request, timeout=60) for c in r.choices)
+
+
+def post(router: RouterProcess, path: str, body, key: str | None = API_KEY, **kw) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(f"{router.url}{path}", json=body, headers=headers | kw.pop("headers", {}), timeout=60, **kw)
+
+
+def test_models_lists_the_served_model(client, model):
+    assert model == "smollm2-135m-instruct"
+    assert [m.id for m in client.models.list().data] == [model]
+
+
+def test_completion_equals_grpc_greedy_output_with_usage(client, router, model):
+    completion = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0)
+    expected = grpc_text(router, pb.GenerateRequest(text=PROMPT, params=pb.SamplingParameters(
+        temperature=0, max_tokens=12)))
+    assert completion.choices[0].text == expected and expected
+    assert completion.usage.prompt_tokens == 5 and completion.usage.completion_tokens <= 12
+    assert completion.usage.total_tokens == completion.usage.prompt_tokens + completion.usage.completion_tokens
+
+
+def test_streamed_completion_equals_unstreamed_and_ends_with_usage(client, model):
+    whole = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0)
+    chunks = list(client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+
+
+def test_chat_completion_equals_grpc_chat_output(client, router, model):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    chat = client.chat.completions.create(model=model, messages=messages, max_tokens=16, temperature=0)
+    request = pb.GenerateRequest(params=pb.SamplingParameters(temperature=0, max_tokens=16))
+    request.chat.messages.add(role="user", content="What is the capital of France?")
+    assert chat.choices[0].message.content == grpc_text(router, request)
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens > 0
+
+
+def test_streamed_chat_equals_unstreamed(client, model):
+    messages = [{"role": "user", "content": "Name three colours."}]
+    whole = client.chat.completions.create(model=model, messages=messages, max_tokens=16, temperature=0)
+    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=16, temperature=0,
+                                            stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == whole.choices[0].message.content
+
+
+def test_n_choices_and_seed_reproducible(client, model):
+    first = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, n=2, seed=11, temperature=1.0)
+    again = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, n=2, seed=11, temperature=1.0)
+    assert [c.index for c in first.choices] == [0, 1]
+    assert [c.text for c in first.choices] == [c.text for c in again.choices]
+
+
+def test_logprobs_returned_for_chat(client, model):
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=4, temperature=0, logprobs=True, top_logprobs=3)
+    entries = chat.choices[0].logprobs.content
+    assert len(entries) == chat.usage.completion_tokens
+    assert all(len(e.top_logprobs) == 3 and e.logprob <= 0 for e in entries)
+
+
+def test_stop_string_ends_the_completion(client, model):
+    whole = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0).choices[0].text
+    stop = whole.strip().split()[1]
+    stopped = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0, stop=[stop])
+    assert stopped.choices[0].text == whole[:whole.index(stop)]
+    assert stopped.choices[0].finish_reason == "stop"
+
+
+def test_extra_sampling_fields_accepted(router, model):
+    r = post(router, "/v1/completions", {"model": model, "prompt": PROMPT, "max_tokens": 6, "temperature": 0.8,
+                                         "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1, "min_tokens": 6,
+                                         "ignore_eos": True, "priority": 1, "seed": 3})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 6
+
+
+@pytest.mark.parametrize("field,value,status,param", [
+    ("temperature", -1, 400, "temperature"), ("top_p", 1.5, 400, "top_p"), ("max_tokens", 0, 400, "max_tokens"),
+    ("n", 0, 400, "n"), ("top_k", 0, 400, "top_k"), ("presence_penalty", 5, 400, "presence_penalty"),
+    ("logprobs", 50, 400, "logprobs"), ("temperature", "hot", 400, "temperature"), ("prompt", "", 400, "prompt"),
+    ("model", "gpt-17", 404, None), ("stop", [1, 2], 400, "stop"),
+])
+def test_bad_field_gets_status_and_json_error_naming_it(router, model, field, value, status, param):
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 4} | {field: value}
+    r = post(router, "/v1/completions", body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert (field if status == 400 else value) in error["message"]
+    assert error["param"] == param
+    assert post(router, "/v1/completions", {"model": model, "prompt": PROMPT, "max_tokens": 2}).status_code == 200
+
+
+def test_prompt_over_max_model_len_is_400(router, model):
+    r = post(router, "/v1/completions", {"model": model, "prompt": [1] * 5000, "max_tokens": 2})
+    assert r.status_code == 400 and "prompt" in r.json()["error"]["message"]
+
+
+def test_malformed_json_is_400(router):
+    r = httpx.post(f"{router.url}/v1/completions", content=b"{not json",
+                   headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+
+
+def test_oversized_body_is_413(router, model):
+    r = post(router, "/v1/completions", {"model": model, "prompt": "x" * (9 * 2**20)})
+    assert r.status_code == 413 and "too large" in r.json()["error"]["message"]
+
+
+def test_missing_or_wrong_api_key_is_401_and_health_stays_open(router, model):
+    for key in (None, "wrong"):
+        r = post(router, "/v1/completions", {"model": model, "prompt": PROMPT}, key=key)
+        assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
+    assert httpx.get(f"{router.url}/health").status_code == 200
+
+
+def test_request_id_is_echoed(router, model):
+    r = post(router, "/v1/completions", {"model": model, "prompt": PROMPT, "max_tokens": 2},
+             headers={"X-Request-Id": "abc-123"})
+    assert r.headers["X-Request-Id"] == "abc-123" and r.json()["id"] == "cmpl-abc-123"
+
+
+def test_tokenize_then_detokenize_round_trips(router):
+    tokens = post(router, "/tokenize", {"prompt": PROMPT}).json()
+    assert tokens["count"] == len(tokens["tokens"]) == 5
+    assert post(router, "/detokenize", {"tokens": tokens["tokens"]}).json()["prompt"] == PROMPT
+
+
+def test_overload_is_429_with_retry_after(worker):
+    busy = RouterProcess([worker.address], "--max-concurrent-requests", "1", "--max-queue-len", "0")
+    try:
+        with httpx.Client(timeout=60) as http:
+            body = {"prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "stream": True}
+            with http.stream("POST", f"{busy.url}/v1/completions", json=body) as long_running:
+                assert long_running.status_code == 200
+                r = http.post(f"{busy.url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+                assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 1
+                assert r.json()["error"]["type"] == "rate_limit_error"
+    finally:
+        busy.stop()
+
+
+def test_no_worker_is_503():
+    lonely = RouterProcess([f"127.0.0.1:{free_port()}"], wait_for_workers=False)
+    try:
+        r = httpx.post(f"{lonely.url}/v1/completions", json={"prompt": PROMPT}, timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["message"]
+    finally:
+        lonely.stop()
