@@ -140,6 +140,10 @@ class Fleet:
                                   silence_timeout_s=self.config.silence_timeout_s)
             try:
                 info = await client.connect(self.config.connect_timeout_s)
+                if not info.tokenizer_json:
+                    raise _Refused(f"worker {info.worker_id} serves {info.model_name} without a tokenizer "
+                                   "(dummy weights of a bare config?); the router needs one to check and "
+                                   "detokenize requests: give the model directory its tokenizer files")
                 tokenizer = await asyncio.to_thread(tokenizer_for, info)
                 self._join(client, tokenizer)
             except asyncio.CancelledError:

@@ -63,3 +63,9 @@ def test_unpermute_inverts_llama_cpp_qk_permutation():
     # llama.cpp's conversion: per head, interleave the two rotary halves.
     permuted = w.reshape(heads, 2, head_dim // 2, cols).swapaxes(1, 2).reshape(w.shape)
     np.testing.assert_array_equal(_unpermute_qk(permuted, heads), w)
+
+
+def test_model_directory_without_tokenizer_files_has_no_tokenizer(tmp_path):
+    from worker.models.loader import load_tokenizer
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    assert load_tokenizer(resolve_source(str(tmp_path), "dummy")) is None

@@ -275,10 +275,13 @@ def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype,
 
 
 def load_tokenizer(source: ModelSource):
-    """The Hugging Face tokenizer of the model (from the GGUF itself for a GGUF source)."""
+    """The Hugging Face tokenizer of the model (from the GGUF itself for a GGUF source), or
+    None when the model comes without one."""
     from transformers import AutoTokenizer
-    if source.path is None:
-        return None
+    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if source.path is None or (os.path.isdir(source.path) and
+                               not any(os.path.exists(os.path.join(source.path, f)) for f in tokenizer_files)):
+        return None     # a preset or a bare config (dummy weights): token ids only
     try:
         if source.path.endswith(".gguf"):
             return AutoTokenizer.from_pretrained(os.path.dirname(source.path),
