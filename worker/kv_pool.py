@@ -156,8 +156,9 @@ class SwapPool:
 
 
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                      head_dim: int, dtype: torch.dtype, device: torch.device,
-                      pin_memory: bool = False) -> torch.Tensor:
-    """One tensor `[num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]`."""
+                      head_dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """One tensor `[num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]`,
+    zeroed: attention reads whole blocks and masks the unused slots, and a masked NaN would
+    still poison the sum."""
     return torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim,
-                       dtype=dtype, device=device, pin_memory=pin_memory)
+                       dtype=dtype, device=device)

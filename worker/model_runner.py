@@ -49,9 +49,11 @@ class ModelRunner:
             layer.self_attn.k_cache, layer.self_attn.v_cache = cache[0], cache[1]
         self.num_swap_blocks = (config.num_swap_blocks if config.num_swap_blocks is not None
                                 else int(config.swap_space_gb * 2**30) // self.block_bytes)
-        self.swap_cache = allocate_kv_cache(cfg.num_layers, self.num_swap_blocks, self.block_size,
-                                            cfg.num_kv_heads, cfg.head_dim, self.dtype, torch.device("cpu"),
-                                            pin_memory=self.device.type == "cuda")
+        # Uninitialised: a host block is only ever read after a swap-out wrote all of it, and
+        # untouched pages cost no memory until preemption actually swaps.
+        self.swap_cache = torch.empty(cfg.num_layers, 2, self.num_swap_blocks, self.block_size,
+                                      cfg.num_kv_heads, cfg.head_dim, dtype=self.dtype,
+                                      pin_memory=self.device.type == "cuda")
         self.pending_copies: list[tuple[int, int]] = []
         self.graphs = None
         if self.device.type == "cuda":
