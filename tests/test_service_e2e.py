@@ -229,6 +229,12 @@ def blocks_all_free(router: Router, worker_name: str) -> bool:
     return load.free_blocks == load.total_blocks and load.num_running + load.num_waiting == 0
 
 
+async def released(router: Router, worker_name: str) -> None:
+    """Waits until an ended request holds nothing: its worker's blocks and its reservation."""
+    await eventually(lambda: blocks_all_free(router, worker_name), 10, "the blocks to be freed")
+    await eventually(lambda: router.admission.num_admitted == 0, 5, "the reservation to be released")
+
+
 async def stream_all_then(stub, requests: list[pb.GenerateRequest], min_tokens: int,
                           action: Callable[[], None]) -> list[Stream]:
     """Starts every request, runs `action` once each stream has min_tokens tokens, and reads
@@ -355,9 +361,7 @@ def test_client_cancel_frees_the_workers_blocks(worker):
             call.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await reading
-            await eventually(lambda: blocks_all_free(router, "a"), 10, "the blocks to be freed")
-            await eventually(lambda: router.admission.num_admitted == 0, 5,
-                             "the reservation to be released")
+            await released(router, "a")
     asyncio.run(scenario())
 
 
@@ -368,9 +372,7 @@ def test_deadline_frees_the_workers_blocks(worker):
             with pytest.raises(grpc.aio.AioRpcError) as failed:
                 await read_stream(call)
             assert failed.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            await eventually(lambda: blocks_all_free(router, "a"), 10, "the blocks to be freed")
-            await eventually(lambda: router.admission.num_admitted == 0, 5,
-                             "the reservation to be released")
+            await released(router, "a")
     asyncio.run(scenario())
 
 
