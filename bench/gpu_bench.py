@@ -98,15 +98,18 @@ def bench_engine(args) -> dict:
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
     out = {"weight_bytes": weight_bytes, "kv_blocks": engine.blocks.num_blocks}
     run_engine(engine, w1_requests(64, seed=9), 8)    # warm up: compiles every kernel variant
-    w2 = run_engine(engine, [list(range(1000, 1128))], 256)
-    w2["decode_tokens_per_s"] = 255 / (w2["seconds"] - w2["first_token_s"])
-    out["w2"] = w2
-    log("W2 engine", json.dumps(w2))
+    # Each workload with asynchronous scheduling (the default) and without, same engine.
+    for suffix, async_scheduling in (("_sync", False), ("", True)) if args.compare_sync else (("", True),):
+        engine.config.async_scheduling = async_scheduling
+        w2 = run_engine(engine, [list(range(1000, 1128))], 256)
+        w2["decode_tokens_per_s"] = 255 / (w2["seconds"] - w2["first_token_s"])
+        out["w2" + suffix] = w2
+        log(f"W2 engine{suffix}", json.dumps(w2))
+        w1 = run_engine(engine, w1_requests(), 256)
+        out["w1" + suffix] = w1
+        log(f"W1 engine{suffix}", json.dumps(w1))
     if args.profile:
         out["w2_profile"] = profile_decode(engine)
-    w1 = run_engine(engine, w1_requests(), 256)
-    out["w1"] = w1
-    log("W1 engine", json.dumps(w1))
 
     # W4: the paged pool's KV bytes for 256 requests of 32..2048 tokens, at the moment all are
     # resident, against a contiguous cache padded to the longest request.
@@ -184,6 +187,8 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--skip-peer", action="store_true")
     parser.add_argument("--profile", action="store_true", help="profile W2 decode steps")
+    parser.add_argument("--compare-sync", action="store_true",
+                        help="also run W1 and W2 with asynchronous scheduling off")
     parser.add_argument("--peer-w1-requests", type=int, default=64,
                         help="W1 requests given to the peer (all 512 take it over 4 minutes)")
     parser.add_argument("--max-num-seqs", type=int, default=512)

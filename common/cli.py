@@ -362,7 +362,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     # the client commands start without importing the engine.
     command = COMMANDS[top.parse_args(argv[:1]).command]
     parser = command.parser()
-    return command.run(parser.parse_args(argv[1:]), parser)
+    try:
+        return command.run(parser.parse_args(argv[1:]), parser)
+    except OSError as error:    # a port taken, a file unreadable: say so, without a traceback
+        raise SystemExit(f"pagedserve: {error}") from error
 
 
 if __name__ == "__main__":

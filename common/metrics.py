@@ -128,10 +128,12 @@ class WorkerMetrics:
         registry.register(_EngineCollector(model_name, state, block_size))
 
     def step(self, duration_s: float, num_tokens: int, num_seqs: int, num_generated: int) -> None:
-        """One engine step that computed `num_tokens` tokens of `num_seqs` sequences."""
-        self.step_duration.observe(duration_s)
-        self.step_tokens.observe(num_tokens)
-        self.step_seqs.observe(num_seqs)
+        """One engine step that computed `num_tokens` tokens of `num_seqs` sequences (none:
+        it only read the previous step's tokens) and reported `num_generated` tokens."""
+        if num_seqs:
+            self.step_duration.observe(duration_s)
+            self.step_tokens.observe(num_tokens)
+            self.step_seqs.observe(num_seqs)
         if num_generated:
             self.requests.generation_tokens.inc(num_generated)
 

@@ -131,20 +131,21 @@ class TextDelta:
 class TextStream:
     """Detokenization and stop strings for one choice: token ids in, text to send out."""
 
-    def __init__(self, tokenizer: Any, *, prompt_token_ids: Sequence[int] = (),
+    def __init__(self, tokenizer: Any | None, *, prompt_token_ids: Sequence[int] = (),
                  stop: Sequence[str] = (), include_stop_str_in_output: bool = False,
                  skip_special_tokens: bool = True) -> None:
-        self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids,
-                                                   skip_special_tokens)
+        """`tokenizer` None: a model served on token ids only; every text is empty."""
+        self._detokenizer = (IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
+                             if tokenizer is not None else None)
         self._stop = StopStringMatcher(stop, include_stop_str_in_output)
 
     def push(self, token_ids: Sequence[int]) -> TextDelta:
         """Adds generated tokens; returns the text to send and whether a stop string ended it."""
-        text = self._stop.feed(self._detokenizer.push(token_ids))
+        text = self._stop.feed(self._detokenizer.push(token_ids) if self._detokenizer else "")
         return TextDelta(text, self._stop.stopped)
 
     def finish(self) -> TextDelta:
         """Returns the remaining text once the worker ended the choice; `stopped` tells whether
         a stop string was completed by that last text."""
-        text = self._stop.feed(self._detokenizer.finish())
+        text = self._stop.feed(self._detokenizer.finish() if self._detokenizer else "")
         return TextDelta(text + self._stop.finish(), self._stop.stopped)

@@ -44,7 +44,9 @@ class ModelSpec:
     max_model_len: int  # the smallest over connected workers: any of them can take any request
     vocab_size: int
     block_size: int
-    tokenizer: RouterTokenizer
+    # None: the model came without tokenizer files (dummy weights of a bare config), so it is
+    # served on token ids only, as vLLM's --skip-tokenizer-init does.
+    tokenizer: RouterTokenizer | None
 
 
 class _Refused(Exception):
@@ -140,11 +142,8 @@ class Fleet:
                                   silence_timeout_s=self.config.silence_timeout_s)
             try:
                 info = await client.connect(self.config.connect_timeout_s)
-                if not info.tokenizer_json:
-                    raise _Refused(f"worker {info.worker_id} serves {info.model_name} without a tokenizer "
-                                   "(dummy weights of a bare config?); the router needs one to check and "
-                                   "detokenize requests: give the model directory its tokenizer files")
-                tokenizer = await asyncio.to_thread(tokenizer_for, info)
+                tokenizer = (await asyncio.to_thread(tokenizer_for, info)
+                             if info.tokenizer_json else None)
                 self._join(client, tokenizer)
             except asyncio.CancelledError:
                 await client.close()
@@ -167,7 +166,7 @@ class Fleet:
                 await client.close()
             await asyncio.sleep(backoff)
 
-    def _join(self, client: WorkerClient, tokenizer: RouterTokenizer) -> None:
+    def _join(self, client: WorkerClient, tokenizer: RouterTokenizer | None) -> None:
         info = client.info
         if self._model is not None and (info.model_name, info.vocab_size) != (
                 self._model.name, self._model.vocab_size):
@@ -180,6 +179,9 @@ class Fleet:
         if self._model is None:
             self._model = ModelSpec(info.model_name, info.max_model_len, info.vocab_size,
                                     info.block_size, tokenizer)
+            if tokenizer is None:
+                log.warning("model has no tokenizer: serving token ids only (no text, chat or "
+                            "stop strings)", extra={"model": info.model_name})
             if self._on_model is not None:
                 self._on_model(self._model)
         self.workers[info.worker_id] = client

@@ -99,7 +99,7 @@ class GenerateRun:
         tokenizer = fleet.model.tokenizer
         self._tokenizer = tokenizer
         self._choices = [
-            _Choice(i, TextStream(tokenizer.hf, prompt_token_ids=request.prompt_token_ids,
+            _Choice(i, TextStream(tokenizer and tokenizer.hf, prompt_token_ids=request.prompt_token_ids,
                                   stop=request.stop,
                                   include_stop_str_in_output=request.include_stop_str_in_output,
                                   skip_special_tokens=request.skip_special_tokens))
@@ -285,7 +285,7 @@ class GenerateRun:
                              output_tokens=len(choice.output))
 
     def _logprobs(self, token_id: int, entry: worker_pb2.TokenLogprobs) -> pb.TokenLogprobs:
-        text = self._tokenizer.token_text
+        text = self._tokenizer.token_text if self._tokenizer else (lambda _: "")
         return pb.TokenLogprobs(
             sampled=pb.Logprob(token_id=token_id, logprob=entry.logprob, text=text(token_id)),
             top=[pb.Logprob(token_id=t, logprob=lp, text=text(t))

@@ -29,7 +29,7 @@ class ServedModel:
     names: tuple[str, ...]  # the first is the default
     max_model_len: int
     vocab_size: int
-    tokenizer: RouterTokenizer
+    tokenizer: RouterTokenizer | None   # None: token ids only (see router.fleet.ModelSpec)
 
     def check_name(self, model: str) -> None:
         """Empty means the default; any other name must be served (NOT_FOUND otherwise)."""
@@ -79,6 +79,10 @@ def prepare_generate(request: pb.GenerateRequest, model: ServedModel) -> Prepare
         params = sampling_params_from_proto(request.params).validate(model.vocab_size)
     except InvalidRequest as error:
         raise invalid_argument(f"params.{error}") from None
+    if request.params.stop and model.tokenizer is None:
+        raise invalid_argument(f"params.stop: the model {model.names[0]} is served without a "
+                               "tokenizer, so there is no text to match stop strings in; use "
+                               "stop_token_ids")
     prompt = encode_prompt(request, model)
     _check_prompt_length(request, prompt, model)
     if params.seed is None:
@@ -107,6 +111,9 @@ def encode_prompt(request: pb.GenerateRequest | pb.TokenizeRequest,
     if which is None:
         options = "text, token_ids or chat" if hasattr(request, "token_ids") else "text or chat"
         raise invalid_argument(f"input is missing: set one of {options}")
+    if which != "token_ids" and model.tokenizer is None:
+        raise invalid_argument(f"{which}: the model {model.names[0]} is served without a "
+                               "tokenizer, so prompts must be token_ids")
     if which == "text":
         return model.tokenizer.encode_text(request.text)
     if which == "chat":

@@ -31,6 +31,7 @@ from grpc_reflection.v1alpha import reflection
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 
+from common.grpc_server import EXCLUSIVE_PORT, listen
 from common.metrics import RouterMetrics, serve_metrics
 from router.admission import Admission, AdmissionConfig
 from router.counters import RouterCounters
@@ -106,14 +107,12 @@ class Router:
 
     async def start(self) -> None:
         server = grpc.aio.server(options=[
-            ("grpc.max_receive_message_length", self.config.max_request_bytes)])
+            ("grpc.max_receive_message_length", self.config.max_request_bytes), *EXCLUSIVE_PORT])
         server.add_generic_rpc_handlers((self.service.rpc_handler(),))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-        self.port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
-        if self.port == 0:
-            raise OSError(f"cannot listen on {self.config.host}:{self.config.port}")
+        self.port = listen(server, self.config.host, self.config.port)
         await self._publish_health(serving=False)
         await server.start()
         self._server = server

@@ -240,6 +240,9 @@ class GenerationService:
             if not 0 <= token_id < model.vocab_size:
                 raise invalid_argument(f"token_ids[{position}]={token_id} is out of range: "
                                        f"token ids must be in [0, {model.vocab_size})")
+        if model.tokenizer is None:
+            raise invalid_argument(f"the model {model.names[0]} is served without a tokenizer, "
+                                   "so token ids cannot be turned into text")
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
         text = await asyncio.to_thread(model.tokenizer.decode, request.token_ids, skip)
         return pb.DetokenizeResponse(text=text)

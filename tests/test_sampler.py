@@ -1,8 +1,12 @@
 """Sampler rules on small hand-made logits."""
 
+import math
+
+import pytest
 import torch
 
-from worker.sampler import SamplingBatch, SamplingRow, apply_penalties, sample, seeded_uniform
+from worker.sampler import (SampleResult, SamplingBatch, SamplingRow, filter_logits, apply_penalties, sample,
+                            seeded_uniform)
 from worker.sampling_params import SamplingParams
 
 V = 8
@@ -17,6 +21,10 @@ def batch(*params: SamplingParams, seeds=None, outputs=None, prompts=None, banne
     return SamplingBatch.build(rows, V, torch.device("cpu"))
 
 
+def draw(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
+    return sample(logits, batch).read()
+
+
 def logits(*rows):
     return torch.tensor(rows, dtype=torch.float32)
 
@@ -25,24 +33,24 @@ ROW = [0.0, 3.0, 1.0, 2.9, -1.0, 0.5, 2.0, 0.1]
 
 
 def test_greedy_picks_argmax():
-    assert sample(logits(ROW), batch(SamplingParams(temperature=0))).token_ids == [1]
+    assert draw(logits(ROW), batch(SamplingParams(temperature=0))).token_ids == [1]
 
 
 def test_top_k_one_equals_greedy_whatever_the_seed():
-    draws = {sample(logits(ROW), batch(SamplingParams(temperature=2.0, top_k=1), seeds=[s])).token_ids[0]
+    draws = {draw(logits(ROW), batch(SamplingParams(temperature=2.0, top_k=1), seeds=[s])).token_ids[0]
              for s in range(20)}
     assert draws == {1}
 
 
 def test_min_p_one_keeps_only_the_top_token():
-    draws = {sample(logits(ROW), batch(SamplingParams(temperature=1.0, min_p=1.0), seeds=[s])).token_ids[0]
+    draws = {draw(logits(ROW), batch(SamplingParams(temperature=1.0, min_p=1.0), seeds=[s])).token_ids[0]
              for s in range(20)}
     assert draws == {1}
 
 
 def test_top_p_keeps_the_smallest_set_reaching_p():
     # top two tokens (ids 1 and 3) hold ~0.62 of the mass: top_p 0.6 keeps exactly them.
-    draws = {sample(logits(ROW), batch(SamplingParams(temperature=1.0, top_p=0.6), seeds=[s])).token_ids[0]
+    draws = {draw(logits(ROW), batch(SamplingParams(temperature=1.0, top_p=0.6), seeds=[s])).token_ids[0]
              for s in range(60)}
     assert draws == {1, 3}
 
@@ -51,7 +59,7 @@ def test_sampling_follows_the_distribution():
     probs = torch.softmax(logits(ROW)[0], -1)
     counts = torch.zeros(V)
     for s in range(3000):
-        counts[sample(logits(ROW), batch(SamplingParams(temperature=1.0), seeds=[s])).token_ids[0]] += 1
+        counts[draw(logits(ROW), batch(SamplingParams(temperature=1.0), seeds=[s])).token_ids[0]] += 1
     assert torch.allclose(counts / 3000, probs, atol=0.03)
 
 
@@ -64,7 +72,7 @@ def test_seeded_uniform_depends_only_on_seed_position_and_token():
 
 
 def test_banned_tokens_are_never_drawn():
-    out = sample(logits(ROW), batch(SamplingParams(temperature=0), banned=[[1, 3]]))
+    out = draw(logits(ROW), batch(SamplingParams(temperature=0), banned=[[1, 3]]))
     assert out.token_ids == [6]
 
 
@@ -80,9 +88,42 @@ def test_penalties_follow_their_definitions():
 
 
 def test_logprobs_are_of_the_unmodified_distribution():
-    out = sample(logits(ROW), batch(SamplingParams(temperature=0, logprobs=2, presence_penalty=1.0),
+    out = draw(logits(ROW), batch(SamplingParams(temperature=0, logprobs=2, presence_penalty=1.0),
                                     outputs=[[1]]))
     lp = torch.log_softmax(logits(ROW)[0], -1)
     chosen, top = out.logprobs[0]
     assert chosen == lp[out.token_ids[0]].item()
     assert [t for t, _ in top] == [1, 3]
+
+
+def kept_by_definition(row: list[float], p: SamplingParams) -> set[int]:
+    """Top-k, then the smallest most-likely set reaching top_p, then min-p; written plainly."""
+    ranked = sorted(range(len(row)), key=lambda t: -row[t])
+    allowed = ranked[:p.top_k] if p.top_k > 0 else ranked
+    total = sum(math.exp(row[t]) for t in allowed)
+    kept, mass = set(), 0.0
+    for t in allowed:
+        if mass >= p.top_p:
+            break
+        kept.add(t)
+        mass += math.exp(row[t]) / total
+    best = max(row)
+    return {t for t in kept if math.exp(row[t] - best) >= p.min_p}
+
+
+@pytest.mark.parametrize("params", [
+    # every sampling row has a top_k: only the widest k logits are looked at
+    [SamplingParams(temperature=1.0, top_k=5), SamplingParams(temperature=1.0, top_k=20, top_p=0.5),
+     SamplingParams(temperature=1.0, top_k=9, min_p=0.3), SamplingParams(temperature=0.0)],
+    # a row with top-p alone: the whole vocabulary is ranked
+    [SamplingParams(temperature=1.0, top_p=0.7), SamplingParams(temperature=1.0, top_k=3),
+     SamplingParams(temperature=1.0, min_p=0.2), SamplingParams(temperature=1.0, top_k=12, top_p=0.9, min_p=0.05)],
+], ids=["within-widest-top-k", "whole-vocabulary"])
+def test_filters_keep_what_their_definitions_keep(params):
+    vocab = 64
+    values = torch.randn(len(params), vocab, generator=torch.Generator().manual_seed(3)) * 2
+    rows = [SamplingRow(p, 0, 10, [], 0, []) for p in params]
+    kept = filter_logits(values, SamplingBatch.build(rows, vocab, torch.device("cpu"))) > float("-inf")
+    for row, p in enumerate(params):
+        if not p.greedy:
+            assert set(kept[row].nonzero()[:, 0].tolist()) == kept_by_definition(values[row].tolist(), p)

@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,6 +30,7 @@ from router.admission import AdmissionConfig
 from router.fleet import FleetConfig
 from router.server import Router, RouterConfig
 from worker.sampling_params import SamplingParams
+from worker_process import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -58,12 +58,6 @@ def module_command(module: str, *args: str) -> list[str]:
                 "ctypes.CDLL(None).prctl(1, signal.SIGKILL); "  # 1: PR_SET_PDEATHSIG
                 f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)")
     return [sys.executable, "-c", launcher, *args]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_serving(address: str, process: subprocess.Popen, timeout_s: float) -> None:

@@ -26,10 +26,19 @@ REPO = Path(__file__).resolve().parent.parent
 STARTUP_TIMEOUT_S = 90     # loading SmolLM2 takes ~15 s, more on a loaded machine
 
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A loopback port nothing listens on now, never the same one twice in a test run: the
+    kernel may hand a just-closed port out again, and two servers told one port would fight."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 class WorkerProcess:

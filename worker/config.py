@@ -65,6 +65,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"       # fcfs | priority
     enforce_eager: bool = False
+    # Schedule and launch step N+1 before reading step N's tokens (see worker.engine).
+    async_scheduling: bool = True
 
     def validate(self) -> "EngineConfig":
         if self.block_size not in (8, 16, 32, 64, 128):

@@ -1,5 +1,12 @@
 """The step-level engine: requests in, one scheduling iteration per `step()`, token deltas out.
 
+Asynchronous scheduling (on by default): `step()` schedules and launches step N+1 while step
+N still runs on the device, then reads step N's draws. Sequences that step N draws for are
+scheduled with that token *pending* (read on the device by step N+1), so the GPU never waits
+for the host. The price: stop tokens are seen one step late, so a sequence that stopped
+computes one more token, which is thrown away. A step whose sampling needs the pending
+tokens on the host (repetition penalties count them) reads them first.
+
 Not thread-safe: one thread drives it (the worker server queues RPC commands to that thread).
 """
 
@@ -12,7 +19,7 @@ from worker.config import EngineConfig
 from worker.kv_pool import BlockManager, SwapPool
 from worker.model_runner import ModelRunner
 from worker.models.loader import ModelSource, resolve_source
-from worker.sampler import SamplingBatch, SamplingRow
+from worker.sampler import SampledTokens, SamplingBatch, SamplingRow
 from worker.sampling_params import InvalidRequest, SamplingParams, choice_seed
 from worker.scheduler import Scheduler, ScheduledSeq, SchedulerOutput
 from worker.sequence import FinishReason, Sequence, SeqStatus
@@ -39,6 +46,13 @@ class EngineEvent:
     index: int
     kind: str
     mode: str | None = None
+
+
+@dataclass
+class InFlightStep:
+    """A launched step whose draws the host has not read: draw i is for `drawn[i]`."""
+    sampled: SampledTokens
+    drawn: list[Sequence]
 
 
 @dataclass
@@ -72,6 +86,7 @@ class LLMEngine:
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         self.num_steps = 0
         self.last_plan = SchedulerOutput()   # of the latest step: for metrics and traces
+        self.in_flight: InFlightStep | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -137,7 +152,7 @@ class LLMEngine:
         return [EngineEvent(e.seq.request_id, e.seq.index, e.kind, e.mode) for e in events]
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests) or self.in_flight is not None
 
     def stats(self) -> EngineStats:
         sched = self.scheduler
@@ -152,11 +167,29 @@ class LLMEngine:
     # ------------------------------------------------------------ the step
 
     def step(self) -> list[RequestOutput]:
+        """Schedules and launches a step, and returns what the step before it generated
+        (with asynchronous scheduling off: what this one generated)."""
         plan = self.last_plan = self.scheduler.schedule()
         if plan.swaps:
             self.runner.swap(plan.swaps)
-        if not plan.scheduled:
-            return []
+        outputs = []
+        if self.in_flight is not None and any(
+                s.samples and s.seq.num_pending and s.seq.params.counts_output_tokens
+                for s in plan.scheduled):
+            outputs += self._read_in_flight()
+            # Reading may have finished sequences of the plan; their blocks are gone.
+            plan.scheduled = [s for s in plan.scheduled if s.seq.status == SeqStatus.RUNNING]
+        launched = self._launch(plan) if plan.scheduled else None
+        if self.in_flight is not None:
+            outputs += self._read_in_flight()
+        self.in_flight = launched
+        if not self.config.async_scheduling and launched is not None:
+            outputs += self._read_in_flight()
+        return outputs
+
+    def _launch(self, plan: SchedulerOutput) -> InFlightStep | None:
+        """Starts the plan's forward and sampling on the device; each sequence that draws
+        (and each choice forked from it) gets its token as pending."""
         self.num_steps += 1
         rows, logits_rows = [], []
         for i, s in enumerate(plan.scheduled):
@@ -166,28 +199,39 @@ class LLMEngine:
                     rows.append(self._sampling_row(s.seq, choice_seed(s.seq.seed, index)))
                     logits_rows.append(i)
         batch = SamplingBatch.build(rows, self.vocab_size, self.runner.device) if rows else None
-        result = self.runner.execute(plan.scheduled, logits_rows, batch)
+        previous = self.in_flight.sampled if self.in_flight is not None else None
+        sampled = self.runner.execute(plan.scheduled, logits_rows, batch, previous)
 
-        outputs, draw = [], 0
+        drawn = []
         for s in plan.scheduled:
             seq = s.seq
             seq.num_computed += s.num_tokens
             self.blocks.register_full_blocks(seq)
-            if not s.samples:
+            if s.samples:
+                drawn += [seq] + (self._fork(seq) if seq.pending_fork else [])
+        for row, seq in enumerate(drawn):
+            seq.num_pending += 1
+            seq.pending_row = row
+        return InFlightStep(sampled, drawn) if drawn else None
+
+    def _read_in_flight(self) -> list[RequestOutput]:
+        """Waits for the step in flight's draws and appends them to their sequences."""
+        step, self.in_flight = self.in_flight, None
+        result = step.sampled.read()
+        outputs = []
+        for seq, token, logprobs in zip(step.drawn, result.token_ids, result.logprobs):
+            seq.num_pending -= 1
+            if seq.status == SeqStatus.FINISHED:     # aborted, or stopped a step earlier
                 continue
-            family = [seq]
-            if seq.pending_fork:
-                family += self._fork(seq)
-            for member in family:
-                logprobs = result.logprobs[draw]
-                outputs.append(self._append_token(member, result.token_ids[draw], logprobs))
-                draw += 1
+            outputs.append(self._append_token(seq, token, logprobs))
+            if seq.status == SeqStatus.RUNNING:      # not finished now, nor preempted meanwhile
+                self.blocks.register_full_blocks(seq)
         return outputs
 
     def _sampling_row(self, seq: Sequence, seed: int) -> SamplingRow:
         p = seq.params
         banned = []
-        if seq.num_output < p.min_tokens:
+        if seq.num_tokens - seq.prompt_len < p.min_tokens:    # the drawn token's output index
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(self.eos_token_ids))
         return SamplingRow(p, seed, seq.num_tokens, seq.token_ids, seq.prompt_len, banned)
 
@@ -224,7 +268,7 @@ class LLMEngine:
         if seq.num_output >= p.min_tokens and (
                 token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)):
             reason = FinishReason.STOP
-        elif seq.num_tokens >= seq.max_len:
+        elif len(seq.token_ids) >= seq.max_len:
             reason = FinishReason.LENGTH
         out = RequestOutput(seq.request_id, seq.index, [token], logprobs, reason,
                             seq.prompt_len, seq.num_cached_tokens)

@@ -125,7 +125,7 @@ class BlockManager:
         """Hashes the blocks that this step filled, so later requests can share them."""
         if not self.enable_prefix_caching:
             return
-        full = seq.num_computed // self.block_size
+        full = min(seq.num_computed, len(seq.token_ids)) // self.block_size   # known tokens only
         for i in range(len(seq.block_hashes), full):
             tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
             h = chain_hash(seq.block_hashes[-1] if seq.block_hashes else None, tokens)

@@ -2,7 +2,9 @@
 
 Owns the model and the KV pool tensor. Inputs are built with numpy from the scheduled
 sequences (no per-token Python loop), copied to the device in one go, and the attention
-metadata is published through `worker.context` for the duration of the forward.
+metadata is published through `worker.context` for the duration of the forward. Nothing here
+waits for the GPU: a sequence's pending token (drawn by the step still in flight) is read
+from that step's device tensor, and the draws come back as `SampledTokens`.
 """
 
 import itertools
@@ -18,8 +20,9 @@ from worker.context import AttentionMetadata, set_context
 from worker.cuda_graphs import DecodeGraphs
 from worker.kv_pool import allocate_kv_cache
 from worker.models.loader import ModelSource, load_model
-from worker.sampler import SampleResult, SamplingBatch, sample
+from worker.sampler import SampledTokens, SamplingBatch, sample
 from worker.scheduler import ScheduledSeq
+from worker.transfer import to_device
 
 log = logging.getLogger("pagedserve.worker")
 
@@ -79,14 +82,17 @@ class ModelRunner:
         return -(-self.max_model_len // self.block_size)
 
     def _alloc_staging(self) -> None:
-        """Pinned host buffers the step inputs are written into, then copied asynchronously."""
+        """Pinned host buffers the step inputs are written into, then copied asynchronously:
+        two sets, used by turns. While step N runs, step N+1 fills the other set; step N-1's
+        copies, which used it, are done (the host has read step N-1's draws since)."""
         tokens, seqs = self.config.max_num_batched_tokens, self.config.max_num_seqs
         pinned = lambda *shape, dt: torch.zeros(*shape, dtype=dt).pin_memory()  # noqa: E731
-        self.staging = {
+        self.staging_sets = [{
             "input_ids": pinned(tokens, dt=torch.int64), "positions": pinned(tokens, dt=torch.int64),
             "slot_mapping": pinned(tokens, dt=torch.int64), "seq_lens": pinned(seqs, dt=torch.int32),
             "query_start_loc": pinned(seqs + 1, dt=torch.int32),
-            "block_tables": pinned(seqs * self.max_blocks_per_seq, dt=torch.int32)}
+            "block_tables": pinned(seqs * self.max_blocks_per_seq, dt=torch.int32)} for _ in range(2)]
+        self.staging = self.staging_sets[0]
 
     @property
     def block_bytes(self) -> int:
@@ -133,15 +139,19 @@ class ModelRunner:
 
     def _to_device(self, array: np.ndarray, name: str) -> torch.Tensor:
         tensor = torch.from_numpy(array)
-        if self.device.type != "cuda" or array.size > self.staging[name].numel():
-            return tensor.to(self.device)
-        # Safe to overwrite: the previous step's copies finished before its sampled tokens
-        # reached the host.
+        if self.device.type != "cuda":
+            return tensor
+        if array.size > self.staging[name].numel():
+            return to_device(array, tensor.dtype, self.device)
         staged = self.staging[name][:array.size].view(array.shape)
         staged.numpy()[...] = array
         return staged.to(self.device, non_blocking=True)
 
-    def prepare(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def prepare(self, scheduled: list[ScheduledSeq], previous: SampledTokens | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Step inputs on the device; pending tokens are read from `previous`' draws."""
+        if self.device.type == "cuda":
+            self.staging = self.staging_sets[self.staging is self.staging_sets[0]]
         bs = self.block_size
         query_lens = np.array([s.num_tokens for s in scheduled], dtype=np.int64)
         starts = np.array([s.seq.num_computed for s in scheduled], dtype=np.int64)
@@ -151,8 +161,12 @@ class ModelRunner:
         # Position of each token: its sequence's start plus its offset within the chunk.
         seq_of_token = np.repeat(np.arange(len(scheduled)), query_lens)
         positions = starts[seq_of_token] + np.arange(query_start_loc[-1]) - query_start_loc[seq_of_token]
-        input_ids = np.concatenate([np.asarray(s.seq.token_ids[s.seq.num_computed:s.seq.num_computed + s.num_tokens],
-                                               dtype=np.int64) for s in scheduled])
+        # A pending token is the last of its (one-token) chunk: a placeholder here, its id
+        # copied on the device below.
+        input_ids = np.concatenate([np.asarray(s.seq.token_ids[s.seq.num_computed:s.seq.num_computed + s.num_tokens]
+                                               + [0] * s.seq.num_pending, dtype=np.int64)
+                                    for s in scheduled])
+        pending_rows = np.array([s.seq.pending_row if s.seq.num_pending else -1 for s in scheduled])
         max_blocks = max(len(s.seq.block_table) for s in scheduled)
         block_tables = np.zeros((len(scheduled), max_blocks), dtype=np.int32)
         for i, s in enumerate(scheduled):
@@ -172,7 +186,11 @@ class ModelRunner:
             metadata.gather_plan = gather_plan(
                 metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
                 metadata.max_query_len, metadata.max_seq_len, bs, len(input_ids))
-        return self._to_device(input_ids, "input_ids"), self._to_device(positions, "positions"), metadata
+        input_ids_device = self._to_device(input_ids, "input_ids")
+        if (pending := np.flatnonzero(pending_rows >= 0)).size:
+            input_ids_device[to_device(query_start_loc[pending + 1] - 1, torch.long, self.device)] = \
+                previous.token_ids[to_device(pending_rows[pending], torch.long, self.device)]
+        return input_ids_device, self._to_device(positions, "positions"), metadata
 
     def swap(self, moves: list[tuple[str, int, int]]) -> None:
         """Runs block moves between the device pool and host swap space, in order, one
@@ -185,15 +203,16 @@ class ModelRunner:
             swap_blocks(src, dst, torch.tensor([(a, b) for _, a, b in run]))
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSeq], logits_rows: list[int],
-                batch: SamplingBatch | None) -> SampleResult | None:
-        """Runs the forward of the step; samples from the last position of each sequence in
-        `logits_rows` (indices into `scheduled`, repeated for a request forking n > 1)."""
+    def execute(self, scheduled: list[ScheduledSeq], logits_rows: list[int], batch: SamplingBatch | None,
+                previous: SampledTokens | None = None) -> SampledTokens | None:
+        """Launches the forward of the step and samples from the last position of each
+        sequence in `logits_rows` (indices into `scheduled`, repeated for a request forking
+        n > 1). `previous`: the draws of the step in flight, holding the pending tokens."""
         if self.pending_copies:
             copy_blocks(list(self.kv_cache.flatten(0, 1)),
-                        torch.tensor(self.pending_copies, device=self.device))
+                        to_device(self.pending_copies, torch.long, self.device))
             self.pending_copies.clear()
-        input_ids, positions, metadata = self.prepare(scheduled)
+        input_ids, positions, metadata = self.prepare(scheduled, previous)
         if self.graphs and metadata.max_query_len == 1 and self.graphs.fits(len(scheduled)):
             hidden = self.graphs.run(input_ids, positions, metadata)
         else:
@@ -206,7 +225,7 @@ class ModelRunner:
             return None
         last = metadata.query_start_loc[1:].long() - 1
         if logits_rows != list(range(len(scheduled))):    # skip the index copy when all sample once
-            last = last[torch.tensor(logits_rows, device=self.device)]
+            last = last[to_device(logits_rows, torch.long, self.device)]
         logits = self.model.compute_logits(hidden[last])
         return sample(logits, batch)
 

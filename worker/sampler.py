@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from worker.sampling_params import SamplingParams
+from worker.transfer import to_device
 
 _M32 = 0xFFFFFFFF
 
@@ -64,35 +65,39 @@ class SamplingBatch:
     banned: tuple[list[int], list[int]] | None  # (rows, token ids) masked for min_tokens
     all_greedy: bool
     any_top_k: bool
-    any_top_p_or_min_p: bool
+    any_top_p: bool
+    any_min_p: bool
+    # How many of the largest logits top-k/top-p look at: the widest top_k when every sampling
+    # row sets one, else the whole vocabulary (a full sort; top-p alone needs one).
+    candidates: int
     logprobs_top_n: int | None      # widest top-n asked for; None: no row wants logprobs
 
     @classmethod
     def build(cls, rows: list[SamplingRow], vocab_size: int, device: torch.device) -> "SamplingBatch":
         params = [r.params for r in rows]
-        f32 = lambda xs: torch.tensor(xs, dtype=torch.float32, device=device)  # noqa: E731
+        f32 = lambda xs: to_device(xs, torch.float32, device)  # noqa: E731
         penalties = any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
                         for p in params)
         repetition = any(p.repetition_penalty != 1.0 for p in params)
 
         def padded(lists: list[list[int]]) -> torch.Tensor:
             width = max(1, max(len(x) for x in lists))
-            return torch.tensor([x + [-1] * (width - len(x)) for x in lists], dtype=torch.long, device=device)
+            return to_device([x + [-1] * (width - len(x)) for x in lists], torch.long, device)
 
         banned_rows = [i for i, r in enumerate(rows) for _ in r.banned]
         banned_ids = [t for r in rows for t in r.banned]
         all_greedy = all(p.greedy for p in params)
+        sampling = [p for p in params if not p.greedy]
         # A greedy batch needs none of the per-row tensors: skip their host-to-device copies.
         needs = lambda flag, make: make() if flag else None  # noqa: E731
         return cls(
             temperature=needs(not all_greedy, lambda: f32([p.temperature for p in params])),
-            top_k=needs(not all_greedy, lambda: torch.tensor(
-                [p.top_k if p.top_k > 0 else vocab_size for p in params], device=device)),
+            top_k=needs(not all_greedy, lambda: to_device(
+                [p.top_k if p.top_k > 0 else vocab_size for p in params], torch.long, device)),
             top_p=needs(not all_greedy, lambda: f32([p.top_p for p in params])),
             min_p=needs(not all_greedy, lambda: f32([p.min_p for p in params])),
-            seeds=needs(not all_greedy, lambda: torch.tensor([r.seed for r in rows], dtype=torch.long, device=device)),
-            positions=needs(not all_greedy, lambda: torch.tensor([r.position for r in rows], dtype=torch.long,
-                                                                   device=device)),
+            seeds=needs(not all_greedy, lambda: to_device([r.seed for r in rows], torch.long, device)),
+            positions=needs(not all_greedy, lambda: to_device([r.position for r in rows], torch.long, device)),
             presence=needs(penalties, lambda: f32([p.presence_penalty for p in params])),
             frequency=needs(penalties, lambda: f32([p.frequency_penalty for p in params])),
             repetition=needs(penalties, lambda: f32([p.repetition_penalty for p in params])),
@@ -100,8 +105,12 @@ class SamplingBatch:
             prompt_ids=needs(repetition, lambda: padded([r.token_ids[:r.prompt_len] for r in rows])),
             banned=(banned_rows, banned_ids) if banned_ids else None,
             all_greedy=all_greedy,
-            any_top_k=any(0 < p.top_k < vocab_size for p in params),
-            any_top_p_or_min_p=any(p.top_p < 1.0 or p.min_p > 0.0 for p in params),
+            any_top_k=any(0 < p.top_k < vocab_size for p in sampling),
+            any_top_p=any(p.top_p < 1.0 for p in sampling),
+            any_min_p=any(p.min_p > 0.0 for p in sampling),
+            candidates=(max(p.top_k for p in sampling) if sampling and all(0 < p.top_k < vocab_size
+                                                                           for p in sampling)
+                        else vocab_size),
             logprobs_top_n=max((p.logprobs for p in params if p.logprobs is not None), default=None),
         )
 
@@ -111,6 +120,29 @@ class SampleResult:
     token_ids: list[int]
     # Per row: (logprob of the drawn token, [(token id, logprob) of the top n]) or None.
     logprobs: list[tuple[float, list[tuple[int, float]]] | None]
+
+
+class SampledTokens:
+    """One step's draws. `token_ids` stays on the device, where the next step reads the
+    tokens it computes; the host copies are started at once and `read` waits for them only,
+    so the host can prepare and launch the next step meanwhile."""
+
+    def __init__(self, token_ids: torch.Tensor, logprob_tensors: tuple[torch.Tensor, ...] | None):
+        self.token_ids = token_ids
+        self._host = [t.to("cpu", non_blocking=True) for t in (token_ids, *(logprob_tensors or ()))]
+        self._ready = None
+        if token_ids.is_cuda:
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+
+    def read(self) -> SampleResult:
+        if self._ready is not None:
+            self._ready.synchronize()
+        token_ids, *logprob_tensors = (t.tolist() for t in self._host)
+        if not logprob_tensors:
+            return SampleResult(token_ids, [None] * len(token_ids))
+        chosen, top_ids, top_values = logprob_tensors
+        return SampleResult(token_ids, [(c, list(zip(i, v))) for c, i, v in zip(chosen, top_ids, top_values)])
 
 
 def _token_counts(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -130,49 +162,51 @@ def apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     return logits - b.presence[:, None] * (out_counts > 0).float()
 
 
-def _filter(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
-    """Masks tokens outside top-k, top-p and min-p with -inf (on temperature-scaled logits)."""
-    if b.any_top_k:
-        kth = torch.sort(logits, dim=-1, descending=True).values.gather(1, (b.top_k - 1)[:, None])
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if b.any_top_p_or_min_p:
-        probs = logits.softmax(-1)
-        if (b.min_p > 0).any():
-            logits = logits.masked_fill(probs < b.min_p[:, None] * probs.max(-1, keepdim=True).values,
-                                        float("-inf"))
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        before = sorted_probs.cumsum(-1) - sorted_probs          # mass ranked above each token
-        drop_sorted = before >= b.top_p[:, None]                  # the first token always stays
-        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
+def filter_logits(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """Masks tokens outside top-k, top-p and min-p with -inf (on temperature-scaled logits).
+    Top-p keeps the smallest set of most likely tokens (after top-k) whose mass reaches top_p;
+    min-p keeps tokens at least min_p times as likely as the most likely one."""
+    inf = float("-inf")
+    if b.any_top_k or b.any_top_p:
+        # Sorted descending: over the widest top_k only, when every sampling row has one.
+        values, order = logits.topk(b.candidates, dim=-1)
+        if b.any_top_k:
+            rank = torch.arange(b.candidates, device=logits.device)
+            values = values.masked_fill(rank >= b.top_k[:, None], inf)
+        if b.any_top_p:
+            probs = values.softmax(-1)
+            before = probs.cumsum(-1) - probs                       # mass ranked above each token
+            values = values.masked_fill(before >= b.top_p[:, None], inf)   # the first one stays
+        logits = torch.full_like(logits, inf).scatter(1, order, values)
+    if b.any_min_p:
+        # p_i >= min_p * p_max, in logits: the ratio does not depend on the normalization.
+        floor = logits.max(-1, keepdim=True).values + b.min_p.log()[:, None]
+        logits = logits.masked_fill(logits < floor, inf)
     return logits
 
 
-def sample(logits: torch.Tensor, b: SamplingBatch) -> SampleResult:
-    """Draws one token per row of `logits[B, V]` (float32)."""
+def sample(logits: torch.Tensor, b: SamplingBatch) -> SampledTokens:
+    """Draws one token per row of `logits[B, V]` (float32), without waiting for the device."""
     raw = logits
     if b.output_ids is not None:
         logits = apply_penalties(logits, b)
     if b.banned is not None:
-        logits = logits.index_put((torch.tensor(b.banned[0], device=logits.device),
-                                   torch.tensor(b.banned[1], device=logits.device)),
-                                  torch.tensor(float("-inf"), device=logits.device))
+        rows, ids = (to_device(x, torch.long, logits.device) for x in b.banned)
+        logits = logits.index_put((rows, ids), torch.full((), float("-inf"), device=logits.device))
     greedy_ids = logits.argmax(-1)
     if b.all_greedy:
         token_ids = greedy_ids
     else:
         temperature = torch.where(b.temperature > 0, b.temperature, 1.0)
-        scaled = _filter(logits / temperature[:, None], b)
+        scaled = filter_logits(logits / temperature[:, None], b)
         probs = scaled.softmax(-1)
         vocab = torch.arange(logits.shape[1], device=logits.device)
         u = seeded_uniform(b.seeds, b.positions, vocab)
         drawn = (probs / -torch.log(u)).argmax(-1)
         token_ids = torch.where(b.temperature > 0, drawn, greedy_ids)
 
-    logprobs: list = [None] * logits.shape[0]
-    if b.logprobs_top_n is not None:
-        lp = raw.log_softmax(-1)
-        chosen = lp.gather(1, token_ids[:, None])[:, 0].tolist()
-        top_values, top_ids = lp.topk(b.logprobs_top_n, dim=-1)
-        logprobs = [(c, list(zip(i, v))) for c, i, v in zip(chosen, top_ids.tolist(), top_values.tolist())]
-    return SampleResult(token_ids.tolist(), logprobs)
+    if b.logprobs_top_n is None:
+        return SampledTokens(token_ids, None)
+    lp = raw.log_softmax(-1)
+    top_values, top_ids = lp.topk(b.logprobs_top_n, dim=-1)
+    return SampledTokens(token_ids, (lp.gather(1, token_ids[:, None])[:, 0], top_ids, top_values))

@@ -30,6 +30,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def counts_output_tokens(self) -> bool:
+        """Whether sampling reads the tokens generated so far (the penalties do)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
     def validate(self, vocab_size: int | None = None) -> "SamplingParams":
         """Raises InvalidRequest naming the first bad field; returns self when all are valid."""
         def bad(name: str, allowed: str):

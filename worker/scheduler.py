@@ -146,6 +146,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.at_max_len and seq.num_pending:
+                i += 1              # its pending token finishes it when read
+                continue
             n = min(seq.num_uncomputed, budget)
             while not self.blocks.reserve(seq, seq.num_computed + n):
                 victim = self.running[-1]       # unscheduled: we schedule from the front
@@ -162,6 +165,8 @@ class Scheduler:
         # take the blocks the preempted sequences need to come back.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             seq = self.waiting[0]
+            if seq.num_pending:
+                break               # preempted with its token in flight: back once it is read
             if not seq.block_table:
                 self.blocks.match_prefix(seq)
             n = min(seq.num_uncomputed, budget)

@@ -2,6 +2,10 @@
 
 A request with `n > 1` starts as one sequence; when its prompt has been computed the engine
 forks the other `n - 1`, which share the prompt's blocks.
+
+Under asynchronous scheduling a sequence may have a *pending* token: drawn on the device by
+the step in flight, not yet known to the host. It counts in `num_tokens` (the next step
+computes it, reading it on the device) but is not in `token_ids` until the engine reads it.
 """
 
 import enum
@@ -44,13 +48,19 @@ class Sequence:
     held: bool = False                  # swapped out on request: stays out until swapped in
     was_preempted: bool = False         # its next admission is a resumption
     max_len: int = 0                    # prompt + tokens allowed by max_tokens and the model
+    # Tokens drawn on the device that the host has not read: one between steps; two for a
+    # moment while the next step is launched before the previous one's draws are read.
+    num_pending: int = 0
+    pending_row: int = -1               # the latest draw's row among its step's draws
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        """Tokens including pending ones."""
+        return len(self.token_ids) + self.num_pending
 
     @property
     def num_output(self) -> int:
+        """Generated tokens known to the host."""
         return len(self.token_ids) - self.prompt_len
 
     @property
@@ -59,7 +69,12 @@ class Sequence:
 
     @property
     def num_uncomputed(self) -> int:
-        return len(self.token_ids) - self.num_computed
+        return self.num_tokens - self.num_computed
+
+    @property
+    def at_max_len(self) -> bool:
+        """Its pending or last token is its last: nothing more to compute for it."""
+        return self.num_tokens >= self.max_len
 
     @property
     def key(self) -> tuple:

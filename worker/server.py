@@ -33,6 +33,7 @@ from prometheus_client import CollectorRegistry
 
 from common import tracing
 from common.convert import sampling_params_from_proto
+from common.grpc_server import EXCLUSIVE_PORT, listen
 from common.metrics import WorkerMetrics, serve_metrics
 from common.pb import worker_pb2 as pb
 from common.pb import worker_pb2_grpc
@@ -130,7 +131,7 @@ class EngineLoop:
         while not self._stopped:
             self.wake.clear()
             self._run_commands()
-            outputs = []
+            outputs, progressed = [], False
             if self.engine.has_unfinished():
                 started = time.monotonic()
                 try:
@@ -140,9 +141,12 @@ class EngineLoop:
                     self._fail_all("internal error in the engine step (logged on the worker)")
                 else:
                     self._observe_step(started, len(outputs))
+                    # A prompt chunk reports no tokens, nor does the first step launched
+                    # after an idle spell: both are progress, to be followed at once.
+                    progressed = bool(outputs or self.engine.last_plan.scheduled)
                 self._publish(outputs, started)
             self.stats = self.engine.stats()
-            if not outputs and not self.commands.qsize():
+            if not progressed and not self.commands.qsize():
                 # Nothing ran (idle, or only held/unfittable work): sleep until a command.
                 self.wake.wait(timeout=0.05 if self.engine.has_unfinished() else 1.0)
 
@@ -159,9 +163,9 @@ class EngineLoop:
 
     def _observe_step(self, started: float, num_outputs: int) -> None:
         plan = self.engine.last_plan
-        if plan.scheduled:          # else only swaps ran, or nothing fitted
-            # The engine samples one token per sequence that samples: outputs = tokens generated.
-            self.metrics.step(time.monotonic() - started, plan.num_tokens, len(plan.scheduled), num_outputs)
+        # One token per output. A step that scheduled nothing (only swaps ran, nothing fitted,
+        # or it only read the step before) still reports that step's tokens.
+        self.metrics.step(time.monotonic() - started, plan.num_tokens, len(plan.scheduled), num_outputs)
 
     def _trace_step(self, started: float, now: float) -> None:
         """Adds the step's prompt chunks and first tokens to the requests' spans."""
@@ -424,15 +428,14 @@ async def serve_worker(config: EngineConfig, host: str, port: int, worker_id: st
     service = WorkerService(engine, worker_id or f"{socket.gethostname()}:{port}",
                             model_name or engine.source.name)
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 * 2**20),
-                                      ("grpc.max_send_message_length", 64 * 2**20)])
+                                      ("grpc.max_send_message_length", 64 * 2**20),
+                                      *EXCLUSIVE_PORT])
     worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     service_name = pb.DESCRIPTOR.services_by_name["Worker"].full_name
     reflection.enable_server_reflection([service_name, reflection.SERVICE_NAME, health.SERVICE_NAME], server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise RuntimeError(f"cannot listen on {host}:{port}")
+    bound = listen(server, host, port)
     service.loop.start()
     await server.start()
     for name in ("", service_name):
@@ -479,7 +482,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory_gb=args.kv_cache_memory_gb,
         num_blocks=args.num_blocks, swap_space_gb=args.swap_space, num_swap_blocks=args.num_swap_blocks,
         preemption_mode=args.preemption_mode, enable_prefix_caching=args.enable_prefix_caching,
-        scheduling_policy=args.scheduling_policy, enforce_eager=args.enforce_eager)
+        scheduling_policy=args.scheduling_policy, enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -514,6 +518,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     a("--scheduling-policy", default=env("scheduling_policy", d.scheduling_policy), choices=["fcfs", "priority"])
     a("--enforce-eager", action="store_true", default=flag(env("enforce_eager", "false")),
       help="no CUDA graphs")
+    a("--async-scheduling", action=argparse.BooleanOptionalAction,
+      default=flag(env("async_scheduling", "true")),
+      help="launch each step before reading the previous one's tokens, so the GPU never waits "
+           "for the host (stop tokens are seen one step late)")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -531,8 +539,11 @@ def main(argv: list[str] | None = None) -> None:
         if getattr(args, name) is not None:
             setattr(args, name, int(getattr(args, name)))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    run_worker(engine_config_from_args(args), args.host, args.port, args.worker_id, args.served_model_name,
-               args.metrics_port)
+    try:
+        run_worker(engine_config_from_args(args), args.host, args.port, args.worker_id,
+                   args.served_model_name, args.metrics_port)
+    except OSError as error:
+        raise SystemExit(f"worker: {error}") from error
 
 
 if __name__ == "__main__":

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# One device session's worth of GPU checks and benchmarks, each part time-boxed so the whole
+# fits one 10-minute command; results and logs go to $OUT (default ./out).
+#
+#   bash bench/h200.sh        # on the GPU machine, from the repository root
+#
+# The GPU machine has torch, triton, transformers, grpcio and aiohttp but no grpcio-tools:
+# carry `common/generated` (made here by `python -m common.pb`) and, in `.whl/`, wheels of
+# what it lacks (grpcio, protobuf, grpcio-health-checking, grpcio-reflection,
+# opentelemetry-api/-sdk/-semantic-conventions, at the versions of the local venv).
+set -u
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
+
+timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_engine.py tests/test_kernels.py \
+    2>&1 | tail -25 | tee "$OUT/gpu_tests.log"
+timeout 210 python3 bench/gpu_bench.py --compare-sync --peer-w1-requests 32 --out "$OUT/gpu_bench.json" \
+    2>&1 | grep -v "^ *$" | tail -40 | tee "$OUT/gpu_bench.log"
+timeout 280 python3 bench/router_bench.py --out "$OUT/router_bench.json" -- \
+    --max-model-len 4096 --max-num-seqs 512 --max-num-batched-tokens 8192 --gpu-memory-utilization 0.85 \
+    2>&1 | tail -30 | tee "$OUT/router_bench.log"

@@ -1,0 +1,78 @@
+"""A model without tokenizer files (dummy weights of a bare config) served through the router:
+token-id prompts stream token ids; whatever needs text is refused with a message saying why."""
+
+import asyncio
+import json
+
+import grpc
+import pytest
+
+from common.pb import generation_pb2 as pb
+from common.pb import generation_pb2_grpc
+from router.fleet import FleetConfig
+from router.server import Router, RouterConfig
+from worker_process import WorkerProcess
+
+pytestmark = pytest.mark.slow
+
+TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256,
+              "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
+              "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "torch_dtype": "float32"}
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory):
+    model_dir = tmp_path_factory.mktemp("bare-config")
+    (model_dir / "config.json").write_text(json.dumps(TINY_LLAMA))
+    with WorkerProcess(["--model", str(model_dir), "--load-format", "dummy", "--device", "cpu",
+                        "--dtype", "float32", "--metrics-port", "0"]) as process:
+        yield process
+
+
+def call(worker: WorkerProcess, request: pb.GenerateRequest) -> tuple[list[pb.GenerateResponse], grpc.aio.AioRpcError | None]:
+    """Runs one Generate through a fresh router over the worker: its responses, or its error."""
+    async def scenario():
+        router = Router(RouterConfig(workers=[worker.address], host="127.0.0.1", port=0,
+                                     fleet=FleetConfig(backoff_initial_s=0.2), shutdown_grace_s=1.0))
+        await router.start()
+        try:
+            await router.fleet.wait_for(lambda fleet: bool(fleet.accepting()), 60)
+            async with grpc.aio.insecure_channel(router.address) as channel:
+                stub = generation_pb2_grpc.GenerationStub(channel)
+                try:
+                    return [r async for r in stub.Generate(request)], None
+                except grpc.aio.AioRpcError as error:
+                    return [], error
+        finally:
+            await router.stop()
+    return asyncio.run(scenario())
+
+
+def params(**fields) -> pb.SamplingParameters:
+    return pb.SamplingParameters(temperature=0.0, max_tokens=8, ignore_eos=True, **fields)
+
+
+def test_token_id_prompt_streams_token_ids_without_text(worker):
+    responses, error = call(worker, pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=[1, 17, 42, 99]), params=params()))
+    assert error is None
+    choices = [c for r in responses for c in r.choices]
+    assert sum(len(c.token_ids) for c in choices) == 8
+    assert all(0 <= t < TINY_LLAMA["vocab_size"] for c in choices for t in c.token_ids)
+    assert "".join(c.text for c in choices) == ""
+    assert choices[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    assert responses[-1].usage.completion_tokens == 8
+
+
+def test_text_prompt_is_refused_asking_for_token_ids(worker):
+    _, error = call(worker, pb.GenerateRequest(text="hello", params=params()))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "without a tokenizer" in error.details() and "token_ids" in error.details()
+
+
+def test_stop_strings_are_refused_pointing_at_stop_token_ids(worker):
+    _, error = call(worker, pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2]),
+                                               params=params(stop=["\n"])))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "params.stop" in error.details() and "stop_token_ids" in error.details()
