@@ -18,9 +18,9 @@ fi
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
 
-timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_engine.py tests/test_kernels.py \
+timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu ${GPU_TESTS:-tests/test_gpu_engine.py tests/test_kernels.py} \
     2>&1 | tail -25 | tee "$OUT/gpu_tests.log"
-timeout 210 python3 bench/gpu_bench.py --compare-sync --peer-w1-requests 32 --out "$OUT/gpu_bench.json" \
+timeout 200 python3 bench/gpu_bench.py --compare-sync --peer-w1-requests 32 --out "$OUT/gpu_bench.json" \
     2>&1 | grep -v "^ *$" | tail -40 | tee "$OUT/gpu_bench.log"
 timeout 280 python3 bench/router_bench.py --out "$OUT/router_bench.json" -- \
     --max-model-len 4096 --max-num-seqs 512 --max-num-batched-tokens 8192 --gpu-memory-utilization 0.85 \

@@ -125,7 +125,8 @@ def start_server(args) -> subprocess.Popen:
                "--max-concurrent-requests", "4096", "--max-queue-len", "4096", "--max-queue-wait", "600",
                *(["--load-format", args.load_format] if args.load_format else []), *args.engine_args]
     log("starting", " ".join(command))
-    server = subprocess.Popen(command, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    server = subprocess.Popen(command, cwd=REPO, env={**os.environ, "PYTHONPATH": path},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     serving = threading.Event()
 

@@ -4,7 +4,8 @@
 
 Importing this module runs grpc_tools' protoc into common/generated/ (gitignored) when that code
 is missing or was made from other .proto files or another protoc. `python -m common.pb` does
-the same explicitly, for example while building a container image with a read-only root.
+the same explicitly, for example while building a container image with a read-only root; where
+grpcio-tools is not installed (such an image at run time), the code already generated is used.
 """
 
 from __future__ import annotations
@@ -17,7 +18,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from grpc_tools import grpc_version, protoc
+try:
+    from grpc_tools import grpc_version, protoc
+except ImportError:
+    grpc_version = protoc = None
 
 PROTO_ROOT = Path(__file__).resolve().parent.parent / "protos"
 GENERATED = Path(__file__).resolve().parent / "generated"
@@ -47,8 +51,13 @@ def ensure_generated(proto_root: Path = PROTO_ROOT, out_dir: Path = GENERATED) -
     out_dir and renames the result into place, so nobody sees a half-written tree, and a current
     tree is never replaced (only a stale one is, which running processes have not imported).
     """
-    wanted = fingerprint(proto_root)
     target = out_dir / _PACKAGE
+    if protoc is None:
+        if _fingerprint_of(target) is None:
+            raise RuntimeError(f"no generated code in {target}, and grpcio-tools, which makes it "
+                               "from protos/, is not installed: pip install grpcio-tools")
+        return out_dir
+    wanted = fingerprint(proto_root)
     if _fingerprint_of(target) == wanted:
         return out_dir
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -10,4 +10,4 @@ def to_device(data, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     allocator keeps the pinned buffer alive until the copy has run)."""
     if device.type != "cuda":
         return torch.tensor(data, dtype=dtype, device=device)
-    return torch.tensor(data, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+    return torch.as_tensor(data, dtype=dtype).pin_memory().to(device, non_blocking=True)
