@@ -79,8 +79,6 @@ def _serve_parser() -> argparse.ArgumentParser:
                         help="what this process runs")
     engine = parser.add_argument_group("worker: model and engine")
     add_engine_args(engine)
-    engine.add_argument("--tensor-parallel-size", type=int, default=1,
-                        help="GPUs to split the model over (only 1 is supported for now)")
     network = parser.add_argument_group("network")
     network.add_argument("--host", default="0.0.0.0", help="address to listen on")
     network.add_argument("--port", type=int, default=50051, help="the router's gRPC port")
@@ -131,9 +129,6 @@ def _serve_parser() -> argparse.ArgumentParser:
 def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from common.log import setup_logging
 
-    if args.tensor_parallel_size != 1:
-        parser.error(f"--tensor-parallel-size={args.tensor_parallel_size} is not supported "
-                     "yet: a worker runs its model on one GPU (use 1)")
     if args.role == "router" and not args.workers:
         parser.error("--role router needs --workers (for example --workers 10.0.0.7:50061)")
     setup_logging(args.log_level, args.log_format)

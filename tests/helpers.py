@@ -1,5 +1,7 @@
 """Small helpers shared by the tests."""
 
+import torch
+
 from worker.engine import LLMEngine
 from worker.sampling_params import SamplingParams
 
@@ -41,3 +43,29 @@ def generate(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams
 
 def greedy(max_tokens: int = 24, **kw) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
+
+
+def tiny_hf_model(tmp_path, kind: str):
+    """A small random Llama 3 / Qwen2 (biases, tied embeddings) / Mistral saved as a Hugging Face
+    directory at tmp_path; returns the transformers model."""
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM)
+    common = dict(vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+                  num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512)
+    torch.manual_seed(0)
+    if kind == "llama3":
+        config = LlamaConfig(**common, rope_theta=500000.0, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64})
+        model = LlamaForCausalLM(config)
+    elif kind == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=True))
+    else:
+        model = MistralForCausalLM(MistralConfig(**common, sliding_window=None))
+    # Random (not zero) biases and norms, so a wrong packing or layout cannot hide.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.normal_(1.0 if "norm" in name else 0.0, 0.1)
+    model.save_pretrained(tmp_path)
+    return model.eval()

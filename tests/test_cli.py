@@ -37,7 +37,6 @@ def test_help_names_each_flags_environment_variable(capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["serve", "--tensor-parallel-size", "2"], "--tensor-parallel-size=2 is not supported"),
     (["serve", "--role", "router"], "--role router needs --workers"),
 ])
 def test_serve_refuses_what_it_cannot_do(argv, message, capsys):

@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from helpers import PROMPTS, generate, greedy
+from helpers import PROMPTS, generate, greedy, tiny_hf_model
 
 NEW_TOKENS = 24
 
@@ -67,34 +67,11 @@ def test_prefix_cache_hits_for_shared_prefix_and_output_unchanged(make_engine, s
     assert outputs(generate(uncached, prompts, greedy(12))) == [first, second]
 
 
-def _tiny_hf_model(tmp_path, kind: str):
-    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
-    common = dict(vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
-                  num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512)
-    torch.manual_seed(0)
-    if kind == "llama3":
-        config = LlamaConfig(**common, rope_theta=500000.0, rope_scaling={
-            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64})
-        model = LlamaForCausalLM(config)
-    elif kind == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=True))
-    else:
-        model = MistralForCausalLM(MistralConfig(**common, sliding_window=None))
-    # Random (not zero) biases and norms, so a wrong packing or layout cannot hide.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                p.normal_(1.0 if "norm" in name else 0.0, 0.1)
-    model.save_pretrained(tmp_path)
-    return model.eval()
-
-
 @pytest.mark.parametrize("kind", ["llama3", "qwen2", "mistral"])
 def test_teacher_forced_logits_match_transformers(tmp_path, kind):
     from worker.config import EngineConfig
     from worker.engine import LLMEngine
-    hf = _tiny_hf_model(tmp_path, kind)
+    hf = tiny_hf_model(tmp_path, kind)
     assert json.loads((tmp_path / "config.json").read_text())["architectures"]
     engine = LLMEngine(EngineConfig(model=str(tmp_path), device="cpu", dtype="float32", num_blocks=64))
     ids = torch.randint(0, 320, (150,), generator=torch.Generator().manual_seed(1)).tolist()

@@ -113,3 +113,31 @@ def test_async_scheduling_matches_synchronous_on_gpu(tmp_path):
         assert engine.blocks.num_free == engine.blocks.num_blocks
         runs.append(tokens)
     assert runs[0] == runs[1]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_two_gpu_ranks_match_one(tmp_path, dtype):
+    """Tensor parallelism over NCCL: the same greedy tokens, logits within the dtype's noise."""
+    tiny_llama(tmp_path)
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 512, (int(n),), generator=gen).tolist() for n in (9, 60, 150, 300)]
+    runs = []
+    for size in (1, 2):
+        engine = LLMEngine(EngineConfig(model=str(tmp_path), device="cuda", dtype=dtype, num_blocks=256,
+                                        max_num_seqs=32, max_num_batched_tokens=256, tensor_parallel_size=size))
+        try:
+            logits = engine.prompt_logits(prompts[2])
+            for i, p in enumerate(prompts):
+                engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+            tokens = {}
+            while engine.has_unfinished():
+                for o in engine.step():
+                    tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+        finally:
+            engine.close()
+        runs.append((logits.cpu(), tokens))
+    tolerance = 1e-3 if dtype == "float32" else 5e-2
+    torch.testing.assert_close(runs[1][0], runs[0][0], atol=tolerance, rtol=tolerance)
+    if dtype == "float32":
+        assert runs[1][1] == runs[0][1]

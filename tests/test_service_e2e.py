@@ -252,7 +252,7 @@ def test_64_concurrent_streams_match_the_offline_engine(worker, reference, smoll
     async def scenario():
         async with running_router(worker("a"), worker("b")) as router, client(router) as stub:
             streams = await asyncio.wait_for(asyncio.gather(
-                *(read_stream(stub.Generate(greedy_request(p, 10))) for p in prompts)), 120)
+                *(read_stream(stub.Generate(greedy_request(p, 10))) for p in prompts)), 300)
             for prompt, stream in zip(prompts, streams):
                 assert stream.token_ids == expected[prompt], prompt
                 assert stream.text == smollm_tokenizer.decode(stream.token_ids,
@@ -279,7 +279,7 @@ def test_preempted_requests_complete_unchanged(mode, worker, reference):
                                   admission=AdmissionConfig(overcommit=8.0)) as router, \
                 client(router) as stub:
             streams = await asyncio.wait_for(asyncio.gather(
-                *(read_stream(stub.Generate(greedy_request(p, **params))) for p in prompts)), 120)
+                *(read_stream(stub.Generate(greedy_request(p, **params))) for p in prompts)), 300)
             assert [s.token_ids for s in streams] == [expected[p] for p in prompts]
             counters = router.counters
             assert getattr(counters, f"preemptions_{mode}") > 0, counters
@@ -298,7 +298,7 @@ def test_requests_preempted_for_recompute_migrate_to_a_roomier_worker(worker, re
                                   admission=AdmissionConfig(overcommit=8.0)) as router, \
                 client(router) as stub:
             streams = await asyncio.wait_for(asyncio.gather(
-                *(read_stream(stub.Generate(greedy_request(p, **params))) for p in prompts)), 120)
+                *(read_stream(stub.Generate(greedy_request(p, **params))) for p in prompts)), 300)
             assert [s.token_ids for s in streams] == [expected[p] for p in prompts]
             assert router.counters.migrations > 0, router.counters
     asyncio.run(scenario())

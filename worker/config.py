@@ -67,6 +67,7 @@ class EngineConfig:
     enforce_eager: bool = False
     # Schedule and launch step N+1 before reading step N's tokens (see worker.engine).
     async_scheduling: bool = True
+    tensor_parallel_size: int = 1         # ranks (GPUs) one worker spreads the model over
 
     def validate(self) -> "EngineConfig":
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -81,6 +82,8 @@ class EngineConfig:
             raise ValueError(f"scheduling_policy={self.scheduling_policy!r} must be fcfs or priority")
         if self.preemption_mode not in ("swap", "recompute"):
             raise ValueError(f"preemption_mode={self.preemption_mode!r} must be swap or recompute")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks={self.num_blocks} must be >= 1")
         return self

@@ -17,8 +17,10 @@ from dataclasses import dataclass
 
 from worker.config import EngineConfig
 from worker.kv_pool import BlockManager, SwapPool
+from worker import ranks
 from worker.model_runner import ModelRunner
 from worker.models.loader import ModelSource, resolve_source
+from worker.parallel import Shard
 from worker.sampler import SampledTokens, SamplingBatch, SamplingRow
 from worker.sampling_params import InvalidRequest, SamplingParams, choice_seed
 from worker.scheduler import Scheduler, ScheduledSeq, SchedulerOutput
@@ -76,7 +78,9 @@ class LLMEngine:
         """`loaded`: (ModelConfig, model) already in memory, to share weights between engines."""
         self.config = config.validate()
         self.source = source or resolve_source(config.model, config.load_format)
-        self.runner = ModelRunner(config, self.source, loaded)
+        # Ranks 1..N-1 of a tensor-parallel worker run in processes of their own.
+        self.ranks = ranks.launch(config, self.source) if config.tensor_parallel_size > 1 else None
+        self.runner = ModelRunner(config, self.source, loaded, self.ranks.shard if self.ranks else Shard())
         self.model_config = self.runner.model_config
         self.max_model_len = self.runner.max_model_len
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
@@ -91,6 +95,13 @@ class LLMEngine:
     @property
     def vocab_size(self) -> int:
         return self.model_config.vocab_size
+
+    def close(self) -> None:
+        """Stops the other ranks of a tensor-parallel worker (nothing to do otherwise)."""
+        if self.ranks is not None:
+            self.runner.close()
+            self.ranks.join()
+            self.ranks = None
 
     # ------------------------------------------------------------ requests
 

@@ -20,6 +20,8 @@ from worker.context import AttentionMetadata, set_context
 from worker.cuda_graphs import DecodeGraphs
 from worker.kv_pool import allocate_kv_cache
 from worker.models.loader import ModelSource, load_model
+from worker.parallel import Shard, min_over_ranks
+from worker.ranks import StepArrays, StepChannel, device_for
 from worker.sampler import SampledTokens, SamplingBatch, sample
 from worker.scheduler import ScheduledSeq
 from worker.transfer import to_device
@@ -37,31 +39,38 @@ def resolve_device(name: str) -> torch.device:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, source: ModelSource,
-                 loaded: tuple[ModelConfig, torch.nn.Module] | None = None):
-        """`loaded` reuses weights already in memory (an engine with another pool or limits)."""
-        self.config = config
-        self.device = resolve_device(config.device)
+                 loaded: tuple[ModelConfig, torch.nn.Module] | None = None, shard: Shard = Shard()):
+        """`loaded` reuses weights already in memory (an engine with another pool or limits);
+        `shard`: this rank's place in a tensor-parallel worker (whose ranks build runners in
+        step: the pool is sized together)."""
+        self.config, self.shard = config, shard
+        self.device = resolve_device(config.device) if shard.size == 1 else device_for(config, shard.rank)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.block_size = config.block_size
-        self.model_config, self.model = loaded or load_model(source, self.device, self.dtype, config.seed)
+        self.model_config, self.model = loaded or load_model(source, self.device, self.dtype, config.seed, shard)
         self.num_blocks = self._size_pool()
+        # Rank 0 of a tensor-parallel worker sends every device operation to the other ranks.
+        self.channel = StepChannel(self.device, shard) if shard.size > 1 and shard.rank == 0 else None
         cfg = self.model_config
+        num_kv_heads = self.model.layers[0].self_attn.num_kv_heads     # this rank's
         self.kv_cache = allocate_kv_cache(cfg.num_layers, self.num_blocks, self.block_size,
-                                          cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
+                                          num_kv_heads, cfg.head_dim, self.dtype, self.device)
         for layer, cache in zip(self.model.layers, self.kv_cache):
             layer.self_attn.k_cache, layer.self_attn.v_cache = cache[0], cache[1]
-        self.num_swap_blocks = (config.num_swap_blocks if config.num_swap_blocks is not None
-                                else int(config.swap_space_gb * 2**30) // self.block_bytes)
+        self.num_swap_blocks = (config.num_swap_blocks if config.num_swap_blocks is not None else
+                                min_over_ranks(int(config.swap_space_gb * 2**30) // self.block_bytes,
+                                               shard, self.device))
         # Uninitialised: a host block is only ever read after a swap-out wrote all of it, and
         # untouched pages cost no memory until preemption actually swaps.
         self.swap_cache = torch.empty(cfg.num_layers, 2, self.num_swap_blocks, self.block_size,
-                                      cfg.num_kv_heads, cfg.head_dim, dtype=self.dtype,
+                                      num_kv_heads, cfg.head_dim, dtype=self.dtype,
                                       pin_memory=self.device.type == "cuda")
         self.pending_copies: list[tuple[int, int]] = []
         self.graphs = None
         if self.device.type == "cuda":
             self._alloc_staging()
-            if not config.enforce_eager:
+            # Tensor-parallel ranks run eagerly: their collectives are not captured (yet).
+            if not config.enforce_eager and shard.size == 1:
                 self.graphs = DecodeGraphs(
                     self.model, min(config.max_num_seqs, config.max_num_batched_tokens),
                     self.max_blocks_per_seq, self.max_model_len, cfg.hidden_size, self.dtype, self.device)
@@ -96,14 +105,19 @@ class ModelRunner:
 
     @property
     def block_bytes(self) -> int:
-        return self.block_size * self.model_config.kv_bytes_per_token * self.dtype.itemsize
+        """Bytes of one block of this rank's KV heads."""
+        cfg = self.model_config
+        local_kv_heads = self.model.layers[0].self_attn.num_kv_heads
+        return self.block_size * 2 * cfg.num_layers * local_kv_heads * cfg.head_dim * self.dtype.itemsize
 
     def _size_pool(self) -> int:
         if self.config.num_blocks is not None:
             return self.config.num_blocks
         if self.device.type == "cuda":
-            return self._profile_gpu_blocks()
-        return max(1, int(self.config.kv_cache_memory_gb * 2**30) // self.block_bytes)
+            blocks = self._profile_gpu_blocks()
+        else:
+            blocks = max(1, int(self.config.kv_cache_memory_gb * 2**30) // self.block_bytes)
+        return min_over_ranks(blocks, self.shard, self.device)   # one block table for all ranks
 
     @torch.inference_mode()
     def _profile_gpu_blocks(self) -> int:
@@ -182,10 +196,6 @@ class ModelRunner:
             # Decode kernels split the context by this bound; CUDA graphs must use the largest
             # one, and eager decodes use it too so both paths compute the same numbers.
             metadata.max_seq_len = self.max_model_len
-        if self.device.type == "cpu":
-            metadata.gather_plan = gather_plan(
-                metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
-                metadata.max_query_len, metadata.max_seq_len, bs, len(input_ids))
         input_ids_device = self._to_device(input_ids, "input_ids")
         if (pending := np.flatnonzero(pending_rows >= 0)).size:
             input_ids_device[to_device(query_start_loc[pending + 1] - 1, torch.long, self.device)] = \
@@ -198,9 +208,38 @@ class ModelRunner:
         # The pools are [layers, K/V, blocks, ...]: put the block axis first for the copy.
         pools = {"out": (self.kv_cache.transpose(0, 2), self.swap_cache.transpose(0, 2)),
                  "in": (self.swap_cache.transpose(0, 2), self.kv_cache.transpose(0, 2))}
+        if self.channel is not None:
+            self.channel.send_swaps(moves)
         for direction, run in itertools.groupby(moves, key=lambda m: m[0]):
             src, dst = pools[direction]
             swap_blocks(src, dst, torch.tensor([(a, b) for _, a, b in run]))
+
+    def copy_blocks(self, pairs: torch.Tensor) -> None:
+        """Copies whole blocks `pairs[i] = (src, dst)` within the pool (a forked choice's
+        partly filled last block)."""
+        if self.channel is not None:
+            self.channel.send_copies(pairs)
+        copy_blocks(list(self.kv_cache.flatten(0, 1)), pairs)
+
+    def forward_logits(self, step: StepArrays) -> torch.Tensor | None:
+        """The forward of a step, then the logits of `step.rows` (on rank 0; None elsewhere,
+        and when there are no rows)."""
+        if self.channel is not None:
+            self.channel.send_step(step)
+        md = step.metadata
+        if self.device.type == "cpu":
+            md.gather_plan = gather_plan(md.block_tables, md.seq_lens, md.query_start_loc,
+                                         md.max_query_len, md.max_seq_len, self.block_size,
+                                         step.input_ids.numel())
+        if self.graphs and md.max_query_len == 1 and self.graphs.fits(md.seq_lens.numel()):
+            hidden = self.graphs.run(step.input_ids, step.positions, md)
+        else:
+            set_context(md)
+            try:
+                hidden = self.model(step.input_ids, step.positions)
+            finally:
+                set_context(None)
+        return None if step.rows is None else self.model.compute_logits(hidden[step.rows])
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq], logits_rows: list[int], batch: SamplingBatch | None,
@@ -209,32 +248,26 @@ class ModelRunner:
         sequence in `logits_rows` (indices into `scheduled`, repeated for a request forking
         n > 1). `previous`: the draws of the step in flight, holding the pending tokens."""
         if self.pending_copies:
-            copy_blocks(list(self.kv_cache.flatten(0, 1)),
-                        to_device(self.pending_copies, torch.long, self.device))
+            self.copy_blocks(to_device(self.pending_copies, torch.long, self.device))
             self.pending_copies.clear()
         input_ids, positions, metadata = self.prepare(scheduled, previous)
-        if self.graphs and metadata.max_query_len == 1 and self.graphs.fits(len(scheduled)):
-            hidden = self.graphs.run(input_ids, positions, metadata)
-        else:
-            set_context(metadata)
-            try:
-                hidden = self.model(input_ids, positions)
-            finally:
-                set_context(None)
-        if not logits_rows:
-            return None
-        last = metadata.query_start_loc[1:].long() - 1
-        if logits_rows != list(range(len(scheduled))):    # skip the index copy when all sample once
-            last = last[to_device(logits_rows, torch.long, self.device)]
-        logits = self.model.compute_logits(hidden[last])
-        return sample(logits, batch)
+        rows = None
+        if logits_rows:
+            rows = metadata.query_start_loc[1:].long() - 1
+            if logits_rows != list(range(len(scheduled))):    # skip the index copy when all sample once
+                rows = rows[to_device(logits_rows, torch.long, self.device)]
+        logits = self.forward_logits(StepArrays(input_ids, positions, metadata, rows))
+        return sample(logits, batch) if logits_rows else None
 
     @torch.inference_mode()
     def all_logits(self, scheduled: ScheduledSeq) -> torch.Tensor:
         """Logits at every position of one sequence's chunk (teacher forcing, scoring)."""
         input_ids, positions, metadata = self.prepare([scheduled])
-        set_context(metadata)
-        try:
-            return self.model.compute_logits(self.model(input_ids, positions))
-        finally:
-            set_context(None)
+        rows = torch.arange(input_ids.numel(), device=self.device)
+        return self.forward_logits(StepArrays(input_ids, positions, metadata, rows))
+
+    def close(self) -> None:
+        """Tells the other ranks of a tensor-parallel worker to exit."""
+        if self.channel is not None:
+            self.channel.send_stop()
+            self.channel = None

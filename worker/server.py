@@ -343,7 +343,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             num_gpu_blocks=e.blocks.num_blocks, num_cpu_blocks=e.swap_pool.num_blocks,
             max_model_len=e.max_model_len, max_num_seqs=e.config.max_num_seqs,
             max_num_batched_tokens=e.config.max_num_batched_tokens, vocab_size=cfg.vocab_size,
-            eos_token_ids=sorted(e.eos_token_ids), tensor_parallel_size=1,
+            eos_token_ids=sorted(e.eos_token_ids), tensor_parallel_size=e.config.tensor_parallel_size,
             prefix_caching=e.config.enable_prefix_caching)
         tokenizer = load_tokenizer(e.source)
         if tokenizer is not None:
@@ -461,6 +461,7 @@ async def serve_worker(config: EngineConfig, host: str, port: int, worker_id: st
         await asyncio.sleep(0.05)
     await server.stop(grace=1)
     service.loop.stop()
+    engine.close()
     tracing.shutdown_tracing()
 
 
@@ -483,7 +484,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         num_blocks=args.num_blocks, swap_space_gb=args.swap_space, num_swap_blocks=args.num_swap_blocks,
         preemption_mode=args.preemption_mode, enable_prefix_caching=args.enable_prefix_caching,
         scheduling_policy=args.scheduling_policy, enforce_eager=args.enforce_eager,
-        async_scheduling=args.async_scheduling)
+        async_scheduling=args.async_scheduling, tensor_parallel_size=args.tensor_parallel_size)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -522,6 +523,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
       default=flag(env("async_scheduling", "true")),
       help="launch each step before reading the previous one's tokens, so the GPU never waits "
            "for the host (stop tokens are seen one step late)")
+    a("--tensor-parallel-size", type=int, default=int(env("tensor_parallel_size", d.tensor_parallel_size)),
+      help="GPUs (ranks: processes) to split the model over; on the CPU, processes over gloo")
 
 
 def main(argv: list[str] | None = None) -> None:

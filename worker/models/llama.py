@@ -2,10 +2,13 @@
 
 The forward takes flat `(input_ids, positions)` of every sequence in the step; attention
 reads its batch layout from `worker.context`. Weights arrive with Hugging Face names and are
-packed on load: q/k/v into one projection, gate/up into another.
+packed on load: q/k/v into one projection, gate/up into another. Under tensor parallelism
+(`worker.parallel`) each rank builds the same model with its slice of the heads, of the MLP
+rows and of the vocabulary, and reads only that slice of each checkpoint tensor.
 """
 
 from collections.abc import Iterable
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -17,6 +20,7 @@ from kernels.norm import fused_add_rms_norm, rms_norm
 from kernels.rotary import apply_rotary, build_cos_sin_cache
 from worker.config import ModelConfig
 from worker.context import get_context
+from worker.parallel import Shard, all_reduce, gather_last_dim, split_heads
 
 
 class RMSNorm(nn.Module):
@@ -31,10 +35,31 @@ class RMSNorm(nn.Module):
         return fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
-class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+class VocabEmbedding(nn.Module):
+    """The embedding rows of this rank's slice of the vocabulary; the other rows' tokens get
+    zeros here and their vectors from the all-reduce."""
+
+    def __init__(self, cfg: ModelConfig, shard: Shard):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.shard = shard
+        self.start, self.length, padded = shard.padded_split(cfg.vocab_size)
+        self.weight = nn.Parameter(torch.empty(padded, cfg.hidden_size))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.shard.size == 1:
+            return nn.functional.embedding(input_ids, self.weight)
+        local = input_ids - self.start
+        here = (local >= 0) & (local < self.length)
+        out = nn.functional.embedding(torch.where(here, local, 0), self.weight)
+        return all_reduce(out * here[:, None].to(out.dtype), self.shard)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, shard: Shard):
+        super().__init__()
+        self.shard = shard
+        self.heads = split_heads(cfg.num_heads, cfg.num_kv_heads, shard)
+        self.num_heads, self.num_kv_heads, self.head_dim = self.heads.num_heads, self.heads.num_kv_heads, cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
@@ -54,26 +79,28 @@ class Attention(nn.Module):
         out = paged_attention(q, self.k_cache, self.v_cache, ctx.block_tables, ctx.seq_lens,
                               ctx.query_start_loc, ctx.max_query_len, ctx.max_seq_len, self.scale,
                               ctx.gather_plan)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return all_reduce(self.o_proj(out.reshape(-1, self.q_size)), self.shard)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, shard: Shard):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.shard = shard
+        self.start, self.size = shard.split(cfg.intermediate_size)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.size, bias=False)
+        self.down_proj = nn.Linear(self.size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x))), self.shard)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, shard: Shard):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, shard)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, shard)
 
     def forward(self, positions, hidden, residual, cos_sin):
         hidden, residual = self.input_layernorm(hidden, residual)
@@ -83,13 +110,14 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, shard: Shard = Shard()):
         super().__init__()
-        self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.config, self.shard = cfg, shard
+        self.embed_tokens = VocabEmbedding(cfg, shard)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, shard) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # The same vocabulary slice as the embedding, so a tied head shares its weight.
+        self.lm_head = nn.Linear(cfg.hidden_size, self.embed_tokens.weight.shape[0], bias=False)
         self.register_buffer("cos_sin", torch.empty(cfg.max_position_embeddings, cfg.head_dim,
                                                     dtype=torch.float32), persistent=False)
         self.init_buffers()
@@ -110,39 +138,73 @@ class LlamaForCausalLM(nn.Module):
             hidden, residual = layer(positions, hidden, residual, self.cos_sin)
         return self.norm(hidden, residual)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Float logits `[rows, vocab]` on rank 0 (None on the other ranks)."""
+        logits = gather_last_dim(self.lm_head(hidden), self.shard)
+        return None if logits is None else logits[:, :self.config.vocab_size].float()
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copies Hugging Face-named tensors in, packing q/k/v and gate/up."""
-        cfg = self.config
-        q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
-        packed = {  # HF name piece -> (our name piece, row offset, rows)
-            "q_proj": ("qkv_proj", 0, q), "k_proj": ("qkv_proj", q, kv), "v_proj": ("qkv_proj", q + kv, kv),
-            "gate_proj": ("gate_up_proj", 0, inter), "up_proj": ("gate_up_proj", inter, inter),
+    def load_weights(self, weights: Iterable[tuple[str, "torch.Tensor | CheckpointSlice"]]) -> None:
+        """Copies in this rank's slice of each Hugging Face-named tensor, packing q/k/v and
+        gate/up. A tensor may come as a lazy checkpoint slice: then only the slice is read."""
+        cfg, hd = self.config, self.config.head_dim
+        heads, mlp, vocab = self.layers[0].self_attn.heads, self.layers[0].mlp, self.embed_tokens
+        q, kv, inter = heads.num_heads * hd, heads.num_kv_heads * hd, mlp.size
+        layout = {  # HF name piece -> (our piece, row offset in it, dim sliced, start, length, full size)
+            "q_proj": ("qkv_proj", 0, 0, heads.q_start * hd, q, cfg.num_heads * hd),
+            "k_proj": ("qkv_proj", q, 0, heads.kv_start * hd, kv, cfg.num_kv_heads * hd),
+            "v_proj": ("qkv_proj", q + kv, 0, heads.kv_start * hd, kv, cfg.num_kv_heads * hd),
+            "o_proj": ("o_proj", 0, 1, heads.q_start * hd, q, cfg.num_heads * hd),
+            "gate_proj": ("gate_up_proj", 0, 0, mlp.start, inter, cfg.intermediate_size),
+            "up_proj": ("gate_up_proj", inter, 0, mlp.start, inter, cfg.intermediate_size),
+            "down_proj": ("down_proj", 0, 1, mlp.start, inter, cfg.intermediate_size),
+            "embed_tokens": ("embed_tokens", 0, 0, vocab.start, vocab.length, cfg.vocab_size),
+            "lm_head": ("lm_head", 0, 0, vocab.start, vocab.length, cfg.vocab_size),
         }
         params = dict(self.named_parameters())
         loaded: dict[str, set[int]] = {}   # our parameter -> row offsets filled
-        for name, tensor in weights:
+        for name, source in weights:
             name = name.removeprefix("model.")
             if "rotary_emb" in name or (name == "lm_head.weight" and cfg.tie_word_embeddings):
                 continue
             parts = name.split(".")
-            target, rows = name, None
-            if len(parts) >= 2 and parts[-2] in packed:
-                piece, offset, size = packed[parts[-2]]
+            shape = tuple(source.shape if isinstance(source, torch.Tensor) else source.get_shape())
+            target, offset, tensor = name, 0, None
+            if len(parts) >= 2 and parts[-2] in layout:
+                piece, offset, dim, start, length, full = layout[parts[-2]]
                 target = ".".join(parts[:-2] + [piece, parts[-1]])
-                rows = (offset, size)
+                if len(shape) <= dim or shape[dim] != full:
+                    raise ValueError(f"checkpoint tensor {name!r} has shape {shape}: dimension {dim} "
+                                     f"should be {full}")
+                tensor = _read(source, dim, start, length)
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {cfg.architecture}")
-            dest = params[target].data if rows is None else params[target].data.narrow(0, *rows)
+            dest = params[target].data
+            if tensor is None:
+                tensor = source if isinstance(source, torch.Tensor) else source[:]
+            elif dim == 0:
+                dest = dest.narrow(0, offset, length)
             if dest.shape != tensor.shape:
-                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                 f"expected {tuple(dest.shape)}")
+                raise ValueError(f"checkpoint tensor {name!r} has shape {shape}, which does not fit "
+                                 f"{target} of shape {tuple(params[target].shape)}")
             dest.copy_(tensor)
-            loaded.setdefault(target, set()).add(0 if rows is None else rows[0])
+            loaded.setdefault(target, set()).add(offset)
         pieces = {"qkv_proj": 3, "gate_up_proj": 2}
         missing = [n for n in params if not (n == "lm_head.weight" and cfg.tie_word_embeddings)
                    and len(loaded.get(n, ())) < pieces.get(n.split(".")[-2], 1)]
         if missing:
             raise ValueError(f"checkpoint lacks tensors for {len(missing)} parameters, e.g. {missing[:3]}")
+
+
+class CheckpointSlice(Protocol):
+    """A tensor in a checkpoint, not read yet (what safetensors' `get_slice` returns):
+    indexing it reads only the bytes asked for."""
+
+    def get_shape(self) -> list[int]: ...
+    def __getitem__(self, index) -> torch.Tensor: ...
+
+
+def _read(source: "torch.Tensor | CheckpointSlice", dim: int, start: int, length: int) -> torch.Tensor:
+    """`length` entries of `source` along `dim` from `start`."""
+    if isinstance(source, torch.Tensor):
+        return source.narrow(dim, start, length)
+    return source[(slice(None),) * dim + (slice(start, start + length),)]

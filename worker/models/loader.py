@@ -16,7 +16,8 @@ import torch
 
 from common.progress import progress
 from worker.config import ModelConfig
-from worker.models.llama import LlamaForCausalLM
+from worker.models.llama import CheckpointSlice, LlamaForCausalLM
+from worker.parallel import Shard
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -130,7 +131,9 @@ def config_from_hf(path: str) -> ModelConfig:
     )
 
 
-def hf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+def hf_weights(path: str) -> Iterator[tuple[str, CheckpointSlice]]:
+    """Every tensor of the directory's safetensors files, unread: the model reads the slices
+    it holds (under tensor parallelism, a fraction of each)."""
     from safetensors import SafetensorError, safe_open
 
     files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
@@ -148,7 +151,7 @@ def hf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
         for file, key in progress(names, len(names), f"loading {os.path.basename(path)}"):
             if file not in handles:
                 handles[file] = stack.enter_context(safe_open(os.path.join(path, file), framework="pt"))
-            yield key, handles[file].get_tensor(key)
+            yield key, handles[file].get_slice(key)
 
 
 # ---------------------------------------------------------------- GGUF files
@@ -241,7 +244,8 @@ def load_config(source: ModelSource, gguf_reader=None) -> ModelConfig:
 
 
 def dummy_weights(model: torch.nn.Module, seed: int) -> None:
-    """Small random weights (norms at one), deterministic in `seed`."""
+    """Small random weights (norms at one), deterministic in `seed` (each rank of a tensor-
+    parallel worker draws its own slices: they are not slices of the single-rank weights)."""
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -251,22 +255,23 @@ def dummy_weights(model: torch.nn.Module, seed: int) -> None:
                 p.normal_(0.0, 0.02, generator=generator)
 
 
-def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype,
-               seed: int = 0) -> tuple[ModelConfig, LlamaForCausalLM]:
-    """Builds the model on `device` without a throwaway initialisation, then fills it."""
+def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype, seed: int = 0,
+               shard: Shard = Shard()) -> tuple[ModelConfig, LlamaForCausalLM]:
+    """Builds the model (`shard`'s slice of it) on `device` without a throwaway
+    initialisation, then fills it."""
     reader = _open_gguf(source.path) if source.path and source.path.endswith(".gguf") else None
     cfg = load_config(source, reader)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            model = LlamaForCausalLM(cfg)
+            model = LlamaForCausalLM(cfg, shard)
     finally:
         torch.set_default_dtype(previous)
     model = model.to_empty(device=device)
     model.init_buffers()
     if source.format == "dummy":
-        dummy_weights(model, seed)
+        dummy_weights(model, seed + 7919 * shard.rank)
     elif source.format == "gguf":
         model.load_weights(gguf_weights(source.path, cfg, reader))
     else:
