@@ -9,18 +9,19 @@ import argparse
 import gc
 import json
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
 from worker.config import EngineConfig  # noqa: E402
 from worker.engine import LLMEngine  # noqa: E402
 from worker.models.loader import PRESETS  # noqa: E402
+from report import current_commit  # noqa: E402
 from worker.sampling_params import SamplingParams  # noqa: E402
 
 MODEL = "llama-3.1-8b"
@@ -197,8 +198,7 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     args = parser.parse_args()
     result = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(),
-              "torch": torch.__version__, "commit": subprocess.run(
-                  ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+              "torch": torch.__version__, "commit": current_commit(),
               "copy_bytes_per_s": copy_bandwidth()}
     log(f"copy bandwidth {result['copy_bytes_per_s'] / 1e12:.2f} TB/s")
     result["engine"] = bench_engine(args)

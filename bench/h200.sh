@@ -7,7 +7,9 @@
 # The GPU machine has torch, triton, transformers, grpcio and aiohttp but no grpcio-tools:
 # carry `common/generated` (made here by `python -m common.pb`) and, in `.whl/`, wheels of
 # what it lacks (grpcio, protobuf, grpcio-health-checking, grpcio-reflection,
-# opentelemetry-api/-sdk/-semantic-conventions, at the versions of the local venv).
+# opentelemetry-api/-sdk/-semantic-conventions, at the versions of the local venv). The copy
+# has no .git: pass PAGEDSERVE_COMMIT=$(git rev-parse --short HEAD) to name the commit.
+# $OUT/benchmarks_section.md is the dated section for docs/BENCHMARKS.md (bench/report.py).
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -25,3 +27,5 @@ timeout 200 python3 bench/gpu_bench.py --compare-sync --peer-w1-requests 32 --ou
 timeout 280 python3 bench/router_bench.py --out "$OUT/router_bench.json" -- \
     --max-model-len 4096 --max-num-seqs 512 --max-num-batched-tokens 8192 --gpu-memory-utilization 0.85 \
     2>&1 | tail -30 | tee "$OUT/router_bench.log"
+python3 bench/report.py --gpu "$OUT/gpu_bench.json" --router "$OUT/router_bench.json" \
+    --command "bash bench/h200.sh" > "$OUT/benchmarks_section.md"

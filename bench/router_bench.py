@@ -28,11 +28,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
 
 import grpc  # noqa: E402
 
 from common.pb import generation_pb2 as pb  # noqa: E402
 from common.pb import generation_pb2_grpc  # noqa: E402
+from report import current_commit  # noqa: E402
 
 INPUT_MEAN, OUTPUT_MEAN, SIGMA = 202, 179, 0.8
 
@@ -176,8 +178,7 @@ def main() -> None:
     parser.add_argument("engine_args", nargs="*", help="after --: more `pagedserve serve` flags")
     args = parser.parse_args()
     result = {"date": time.strftime("%Y-%m-%d"), "model": args.model, "dtype": args.dtype,
-              "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                       text=True, cwd=REPO).stdout.strip()}
+              "commit": current_commit()}
     server = start_server(args)
     try:
         result.update(asyncio.run(run(args)))

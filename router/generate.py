@@ -71,7 +71,6 @@ class _Choice:
     finish_reason: int = pb.FINISH_REASON_UNSPECIFIED
     worker: WorkerClient | None = None
     dispatch_id: str = ""
-    admitted: bool = False  # whether the current dispatch joined its worker's running batch
     moves: int = 0
     span: Span | None = None  # the current dispatch's, when traced
 
@@ -195,15 +194,12 @@ class GenerateRun:
             else:
                 self._maybe_migrate(choice, worker)
         elif event.kind == worker_pb2.EVENT_KIND_FAILED:
-            # Before admission the worker judged the request (a bad field, too long for it);
-            # after, the worker itself broke while running it.
-            if not choice.admitted:
+            # The worker judged the request (a bad field, too long for it), or broke with it.
+            if not event.worker_fault:
                 raise invalid_argument(f"the worker refused the request: {event.message}")
             raise ApiError(grpc.StatusCode.INTERNAL,
                            f"worker {worker.worker_id} failed the request: {event.message}")
         else:  # ADMITTED, RESUMED, FINISHED
-            if event.kind == worker_pb2.EVENT_KIND_ADMITTED:
-                choice.admitted = True
             log.debug("choice %s", worker_pb2.EventKind.Name(event.kind).removeprefix(
                 "EVENT_KIND_").lower(), extra=context)
 
@@ -213,7 +209,6 @@ class GenerateRun:
 
     def _dispatch(self, choice: _Choice, worker: WorkerClient) -> None:
         choice.worker, choice.dispatch_id = worker, self._next_dispatch_id()
-        choice.admitted = False
         _end_span(choice)  # the previous dispatch's, when the choice moves
         if self._trace_parent is not None:
             choice.span = tracing.start_span("dispatch", parent=self._trace_parent,

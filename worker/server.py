@@ -92,8 +92,10 @@ def _delta(request_id: str, out: RequestOutput) -> pb.RequestDelta:
     return delta
 
 
-def _event(request_id: str, kind: int, mode: str | None = None, message: str = "") -> pb.WorkerMessage:
-    return pb.WorkerMessage(event=pb.Event(request_id=request_id, kind=kind, mode=MODES[mode], message=message))
+def _event(request_id: str, kind: int, mode: str | None = None, message: str = "",
+           worker_fault: bool = False) -> pb.WorkerMessage:
+    return pb.WorkerMessage(event=pb.Event(request_id=request_id, kind=kind, mode=MODES[mode], message=message,
+                                           worker_fault=worker_fault))
 
 
 class EngineLoop:
@@ -242,7 +244,7 @@ class EngineLoop:
         for key, session in list(self.owner.items()):
             self.engine.abort(key)
             self._forget(key, "failed", message)
-            session.send(_event(key.split("/", 1)[1], pb.EVENT_KIND_FAILED, message=message))
+            session.send(_event(key.split("/", 1)[1], pb.EVENT_KIND_FAILED, message=message, worker_fault=True))
 
     # ------------------------------------------------------------ commands (engine thread)
 
