@@ -32,7 +32,7 @@ def _env_name(action: argparse.Action) -> str:
     return ENV_PREFIX + action.option_strings[0].lstrip("-").upper().replace("-", "_")
 
 
-def _apply_env(parser: argparse.ArgumentParser) -> None:
+def apply_env(parser: argparse.ArgumentParser) -> None:
     """Makes PAGEDSERVE_<FLAG> the default of every --flag, and names the variable in --help.
 
     argparse has no public list of a parser's actions; `_actions` is the stable way to get it.
@@ -122,7 +122,7 @@ def _serve_parser() -> argparse.ArgumentParser:
     logs.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     logs.add_argument("--log-format", default="text", choices=("text", "json"),
                       help="json: one JSON object per line")
-    _apply_env(parser)
+    apply_env(parser)
     return parser
 
 
@@ -275,7 +275,7 @@ def _client_parser(command: str, prompt_help: str) -> argparse.ArgumentParser:
     parser.add_argument("--timeout", type=float, help="deadline in seconds")
     if command == "chat":
         parser.add_argument("--system", help="a system message before yours")
-    _apply_env(parser)
+    apply_env(parser)
     return parser
 
 

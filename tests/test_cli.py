@@ -43,3 +43,12 @@ def test_serve_refuses_what_it_cannot_do(argv, message, capsys):
     with pytest.raises(SystemExit):
         cli.main(argv)
     assert message in capsys.readouterr().err
+
+
+def test_worker_module_refuses_an_invalid_environment_variable_naming_it(monkeypatch, capsys):
+    from worker import server
+
+    monkeypatch.setenv("PAGEDSERVE_MAX_NUM_SEQS", "lots")
+    with pytest.raises(SystemExit):
+        server.main([])
+    assert "PAGEDSERVE_MAX_NUM_SEQS='lots' is invalid" in capsys.readouterr().err

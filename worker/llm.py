@@ -7,7 +7,7 @@ from common.progress import progress
 from worker.config import EngineConfig
 from worker.engine import LLMEngine
 from worker.models.loader import load_tokenizer
-from worker.sampling_params import SamplingParams
+from worker.sampling_params import InvalidRequest, SamplingParams
 
 
 @dataclass
@@ -28,12 +28,26 @@ class Completion:
 
 
 class LLM:
-    """Runs the engine to completion over a batch of prompts (strings or token id lists)."""
+    """Runs the engine to completion over a batch of prompts (strings or token id lists).
+
+    With `tensor_parallel_size` > 1 the other ranks are processes: call `close()` (or use
+    `with LLM(...) as llm:`) to end them, and start the program under
+    `if __name__ == "__main__":`, which spawned processes need.
+    """
 
     def __init__(self, model: str = "default", **engine_args):
         self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
         self.tokenizer = load_tokenizer(self.engine.source)
         self._ids = itertools.count()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.engine.close()
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  show_progress: bool = False) -> list[Completion]:
@@ -42,7 +56,10 @@ class LLM:
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         completions: dict[str, Completion] = {}
         for prompt, p in zip(prompts, params_list):
-            ids = self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
+            if isinstance(prompt, str) and self.tokenizer is None:
+                raise InvalidRequest(f"{self.engine.source.name} has no tokenizer: give prompts as token ids")
+            # The tokenizer's own special-token rule (a Llama 3 BOS), as the router encodes text.
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             rid = f"offline-{next(self._ids)}"
             self.engine.add_request(rid, ids, p)
             completions[rid] = Completion(rid, ids, [Choice(i) for i in range(p.n)])

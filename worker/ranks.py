@@ -25,6 +25,7 @@ from worker.config import EngineConfig
 from worker.context import AttentionMetadata
 from worker.models.loader import ModelSource, load_config
 from worker.parallel import Shard, check_splittable
+from worker.transfer import to_device
 
 log = logging.getLogger("pagedserve.worker")
 
@@ -65,13 +66,13 @@ class StepChannel:
 
     def send_swaps(self, moves: list[tuple[str, int, int]]) -> None:
         flat = [x for direction, a, b in moves for x in (direction == "in", a, b)]
-        self._send([SWAP, len(moves)], [torch.tensor(flat, dtype=torch.long)])
+        self._send([SWAP, len(moves)], [to_device(flat, torch.long, self.device)])
 
     def send_stop(self) -> None:
         self._send([STOP], [])
 
     def _send(self, header: list[int], arrays: list[torch.Tensor]) -> None:
-        head = torch.tensor(header + [0] * (HEADER - len(header)), dtype=torch.long, device=self.device)
+        head = to_device(header + [0] * (HEADER - len(header)), torch.long, self.device)
         dist.broadcast(head, src=0)
         if arrays:
             payload = torch.cat([a.to(self.device, torch.long).flatten() for a in arrays])

@@ -18,7 +18,6 @@ import asyncio
 import itertools
 import json
 import logging
-import os
 import queue
 import signal
 import socket
@@ -490,59 +489,54 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Engine flags (vLLM names where the meaning is the same); each also reads PAGEDSERVE_<NAME>."""
-    env = lambda name, default: os.environ.get(f"PAGEDSERVE_{name.upper()}", default)  # noqa: E731
-    flag = lambda s: s.lower() in ("1", "true", "yes", "on")  # noqa: E731
+    """Engine flags (vLLM names where the meaning is the same). The commands that use them make
+    each readable from PAGEDSERVE_<FLAG> too (common.cli.apply_env)."""
     d = EngineConfig(model="default")
     a = parser.add_argument
-    a("--model", default=env("model", "default"), help="Hugging Face directory, .gguf file, preset "
+    a("--model", default="default", help="Hugging Face directory, .gguf file, preset "
       "name with --load-format dummy, or 'default' (the embedded SmolLM2-135M-Instruct)")
-    a("--load-format", default=env("load_format", d.load_format), choices=["auto", "hf", "gguf", "dummy"],
+    a("--load-format", default=d.load_format, choices=["auto", "hf", "gguf", "dummy"],
       help="how to read the weights; dummy = random weights of the model's shape")
-    a("--dtype", default=env("dtype", d.dtype), help="auto (bfloat16 on GPU, float32 on CPU), float32, float16, bfloat16")
-    a("--device", default=env("device", d.device), help="auto, cpu or cuda")
-    a("--block-size", type=int, default=int(env("block_size", d.block_size)), help="tokens per KV block")
-    a("--max-num-seqs", type=int, default=int(env("max_num_seqs", d.max_num_seqs)), help="sequences per step")
-    a("--max-num-batched-tokens", type=int, default=int(env("max_num_batched_tokens", d.max_num_batched_tokens)),
+    a("--dtype", default=d.dtype, help="auto (bfloat16 on GPU, float32 on CPU), float32, float16, bfloat16")
+    a("--device", default=d.device, help="auto, cpu or cuda")
+    a("--block-size", type=int, default=d.block_size, help="tokens per KV block")
+    a("--max-num-seqs", type=int, default=d.max_num_seqs, help="sequences per step")
+    a("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
       help="token budget of one step (prefill chunks + decodes)")
-    a("--max-model-len", type=int, default=env("max_model_len", None), help="context limit (default: the model's)")
-    a("--gpu-memory-utilization", type=float, default=float(env("gpu_memory_utilization", d.gpu_memory_utilization)),
+    a("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
+    a("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
       help="share of GPU memory for weights, activations and the KV pool")
-    a("--kv-cache-memory-gb", type=float, default=float(env("kv_cache_memory_gb", d.kv_cache_memory_gb)),
-      help="KV pool size on the CPU, in GiB")
-    a("--num-blocks", type=int, default=env("num_blocks", None), help="KV pool size in blocks (overrides the sizing)")
-    a("--swap-space", type=float, default=float(env("swap_space", d.swap_space_gb)),
-      help="host swap space for preempted requests, in GiB")
-    a("--num-swap-blocks", type=int, default=env("num_swap_blocks", None), help="swap space in blocks (overrides)")
-    a("--preemption-mode", default=env("preemption_mode", d.preemption_mode), choices=["swap", "recompute"],
+    a("--kv-cache-memory-gb", type=float, default=d.kv_cache_memory_gb, help="KV pool size on the CPU, in GiB")
+    a("--num-blocks", type=int, default=None, help="KV pool size in blocks (overrides the sizing)")
+    a("--swap-space", type=float, default=d.swap_space_gb, help="host swap space for preempted requests, in GiB")
+    a("--num-swap-blocks", type=int, default=None, help="swap space in blocks (overrides)")
+    a("--preemption-mode", default=d.preemption_mode, choices=["swap", "recompute"],
       help="swap: to host memory when there is room, else recompute")
-    a("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-      default=flag(env("enable_prefix_caching", "true")), help="share KV blocks of equal prompt prefixes")
-    a("--scheduling-policy", default=env("scheduling_policy", d.scheduling_policy), choices=["fcfs", "priority"])
-    a("--enforce-eager", action="store_true", default=flag(env("enforce_eager", "false")),
-      help="no CUDA graphs")
-    a("--async-scheduling", action=argparse.BooleanOptionalAction,
-      default=flag(env("async_scheduling", "true")),
+    a("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching,
+      help="share KV blocks of equal prompt prefixes")
+    a("--scheduling-policy", default=d.scheduling_policy, choices=["fcfs", "priority"])
+    a("--enforce-eager", action="store_true", default=d.enforce_eager, help="no CUDA graphs")
+    a("--async-scheduling", action=argparse.BooleanOptionalAction, default=d.async_scheduling,
       help="launch each step before reading the previous one's tokens, so the GPU never waits "
            "for the host (stop tokens are seen one step late)")
-    a("--tensor-parallel-size", type=int, default=int(env("tensor_parallel_size", d.tensor_parallel_size)),
+    a("--tensor-parallel-size", type=int, default=d.tensor_parallel_size,
       help="GPUs (ranks: processes) to split the model over; on the CPU, processes over gloo")
 
 
 def main(argv: list[str] | None = None) -> None:
+    from common.cli import apply_env
+
     parser = argparse.ArgumentParser(prog="python -m worker.server", description="pagedserve worker")
     add_engine_args(parser)
-    parser.add_argument("--host", default=os.environ.get("PAGEDSERVE_HOST", "0.0.0.0"))
-    parser.add_argument("--port", type=int, default=int(os.environ.get("PAGEDSERVE_WORKER_PORT", 50061)))
-    parser.add_argument("--worker-id", default=os.environ.get("PAGEDSERVE_WORKER_ID"))
-    parser.add_argument("--served-model-name", default=os.environ.get("PAGEDSERVE_SERVED_MODEL_NAME"))
-    parser.add_argument("--metrics-port", type=int, default=int(os.environ.get("PAGEDSERVE_METRICS_PORT", 9091)),
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--worker-port", "--port", dest="port", type=int, default=50061)
+    parser.add_argument("--worker-id")
+    parser.add_argument("--served-model-name")
+    parser.add_argument("--metrics-port", type=int, default=9091,
                         help="port of the Prometheus /metrics endpoint (0: off); tracing is set with "
                              "the standard OTEL_* variables (docs/observability.md)")
+    apply_env(parser)
     args = parser.parse_args(argv)
-    for name in ("max_model_len", "num_blocks", "num_swap_blocks"):
-        if getattr(args, name) is not None:
-            setattr(args, name, int(getattr(args, name)))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         run_worker(engine_config_from_args(args), args.host, args.port, args.worker_id,
