@@ -1,4 +1,4 @@
-"""Asynchronous scheduling (the default): step N+1 is launched before step N's tokens are read.
+"""Asynchronous scheduling (the default on GPUs): step N+1 is launched before step N's tokens are read.
 It must change when tokens are reported, never which tokens, nor what the pool holds after."""
 
 import pytest
@@ -53,7 +53,7 @@ def test_async_scheduling_generates_what_synchronous_scheduling_does(make_engine
 
 
 def test_a_stopped_sequence_reports_nothing_after_its_stop_token(make_engine, ids):
-    engine = make_engine()
+    engine = make_engine(async_scheduling=True)
     stop = generate(make_engine(), ids[:1], greedy(8))["r0"][0][2]
     engine.add_request("r", ids[0], greedy(8, stop_token_ids=[stop]))
     reported = []
@@ -63,3 +63,8 @@ def test_a_stopped_sequence_reports_nothing_after_its_stop_token(make_engine, id
     assert [o.finish_reason for o in reported][-1] == FinishReason.STOP
     assert sum(o.finish_reason is not None for o in reported) == 1
     assert engine.num_steps > len(reported)     # the step after the stop ran, and was dropped
+
+
+def test_it_is_off_by_default_on_the_cpu_where_nothing_would_overlap(make_engine):
+    assert make_engine().config.async_scheduling is False
+    assert make_engine(async_scheduling=True).config.async_scheduling is True

@@ -141,3 +141,8 @@ def test_two_gpu_ranks_match_one(tmp_path, dtype):
     torch.testing.assert_close(runs[1][0], runs[0][0], atol=tolerance, rtol=tolerance)
     if dtype == "float32":
         assert runs[1][1] == runs[0][1]
+
+
+def test_async_scheduling_is_on_by_default_on_a_gpu(tmp_path):
+    tiny_llama(tmp_path)
+    assert engine_for(tmp_path, "float32").config.async_scheduling is True

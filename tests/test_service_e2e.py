@@ -93,7 +93,9 @@ class WorkerProcess:
         command = module_command(
             "worker.server", "--host", "127.0.0.1", "--port", str(self.port), "--worker-id",
             self.name, "--model", "default", "--device", "cpu", "--dtype", "float32",
-            "--metrics-port", "0", *self.flags)
+            # As on a GPU, where it is the default: kills, drains and preemptions meet tokens
+            # still in flight.
+            "--async-scheduling", "--metrics-port", "0", *self.flags)
         # One thread each: several workers share a small machine.
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
         with open(self.log_path, "w") as log:

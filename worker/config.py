@@ -65,8 +65,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"       # fcfs | priority
     enforce_eager: bool = False
-    # Schedule and launch step N+1 before reading step N's tokens (see worker.engine).
-    async_scheduling: bool = True
+    # Schedule and launch step N+1 before reading step N's tokens (see worker.engine). None:
+    # on a GPU, where it hides the host's work behind the device's; off on the CPU, whose
+    # forward runs in the launching thread, so it would only report each token a step later.
+    async_scheduling: bool | None = None
     tensor_parallel_size: int = 1         # ranks (GPUs) one worker spreads the model over
 
     def validate(self) -> "EngineConfig":

@@ -1,6 +1,6 @@
 """The step-level engine: requests in, one scheduling iteration per `step()`, token deltas out.
 
-Asynchronous scheduling (on by default): `step()` schedules and launches step N+1 while step
+Asynchronous scheduling (on by default on GPUs): `step()` schedules and launches step N+1 while step
 N still runs on the device, then reads step N's draws. Sequences that step N draws for are
 scheduled with that token *pending* (read on the device by step N+1), so the GPU never waits
 for the host. The price: stop tokens are seen one step late, so a sequence that stopped
@@ -10,6 +10,7 @@ tokens on the host (repetition penalties count them) reads them first.
 Not thread-safe: one thread drives it (the worker server queues RPC commands to that thread).
 """
 
+import dataclasses
 import logging
 import random
 import time
@@ -81,6 +82,8 @@ class LLMEngine:
         # Ranks 1..N-1 of a tensor-parallel worker run in processes of their own.
         self.ranks = ranks.launch(config, self.source) if config.tensor_parallel_size > 1 else None
         self.runner = ModelRunner(config, self.source, loaded, self.ranks.shard if self.ranks else Shard())
+        if config.async_scheduling is None:
+            self.config = dataclasses.replace(config, async_scheduling=self.runner.device.type == "cuda")
         self.model_config = self.runner.model_config
         self.max_model_len = self.runner.max_model_len
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)

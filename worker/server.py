@@ -518,7 +518,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     a("--enforce-eager", action="store_true", default=d.enforce_eager, help="no CUDA graphs")
     a("--async-scheduling", action=argparse.BooleanOptionalAction, default=d.async_scheduling,
       help="launch each step before reading the previous one's tokens, so the GPU never waits "
-           "for the host (stop tokens are seen one step late)")
+           "for the host (stop tokens are seen one step late); default: on with a GPU, off on "
+           "the CPU, where it would only delay each token by a step")
     a("--tensor-parallel-size", type=int, default=d.tensor_parallel_size,
       help="GPUs (ranks: processes) to split the model over; on the CPU, processes over gloo")
 
