@@ -3,6 +3,8 @@ Llama-3.1-8B shape with dummy bf16 weights, and the Hugging Face transformers pe
 same run (`generate` for W2, `generate_batch` for W1). Definitions: docs/BENCHMARKS.md.
 
     python bench/gpu_bench.py --out result.json [--peer-w1-requests 64] [--skip-peer]
+    python bench/gpu_bench.py --out tp2.json --tensor-parallel-size 2 --skip-peer   # two GPUs
+    python bench/gpu_bench.py --out 70b.json --model llama-3-70b --tensor-parallel-size 4 --skip-peer
 """
 
 import argparse
@@ -92,10 +94,11 @@ def profile_decode(engine: LLMEngine) -> dict:
 
 
 def bench_engine(args) -> dict:
-    engine = LLMEngine(EngineConfig(model=MODEL, load_format="dummy", dtype="bfloat16",
+    engine = LLMEngine(EngineConfig(model=args.model, load_format="dummy", dtype="bfloat16",
                                     max_model_len=4096, max_num_seqs=args.max_num_seqs,
                                     max_num_batched_tokens=args.max_num_batched_tokens,
-                                    gpu_memory_utilization=0.85, enable_prefix_caching=False))
+                                    gpu_memory_utilization=0.85, enable_prefix_caching=False,
+                                    tensor_parallel_size=args.tensor_parallel_size))
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
     out = {"weight_bytes": weight_bytes, "kv_blocks": engine.blocks.num_blocks}
     # Warm up on the W1 shapes themselves (every prefill chunk and decode batch size), so
@@ -138,20 +141,21 @@ def bench_engine(args) -> dict:
                  "padded_to_max_model_len_bytes": len(lengths) * engine.max_model_len * per_token,
                  "ratio_vs_max_model_len": len(lengths) * engine.max_model_len * per_token / (held * block_bytes)}
     log("W4", json.dumps(out["w4"]))
+    engine.close()
     del engine
     gc.collect()
     torch.cuda.empty_cache()
     return out
 
 
-def hf_model():
+def hf_model(model: str):
     from transformers import LlamaConfig, LlamaForCausalLM
-    p = PRESETS[MODEL]
+    p = PRESETS[model]
     config = LlamaConfig(vocab_size=p["vocab_size"], hidden_size=p["hidden_size"],
                          intermediate_size=p["intermediate_size"], num_hidden_layers=p["num_layers"],
                          num_attention_heads=p["num_heads"], num_key_value_heads=p["num_kv_heads"],
                          rope_theta=p["rope_theta"], max_position_embeddings=4096,
-                         rope_scaling=p["rope_scaling"], attn_implementation="sdpa")
+                         rope_scaling=p.get("rope_scaling"), attn_implementation="sdpa")
     torch.set_default_dtype(torch.bfloat16)
     with torch.device("cuda"):
         model = LlamaForCausalLM(config).eval()
@@ -161,7 +165,7 @@ def hf_model():
 
 def bench_peer(args) -> dict:
     from transformers import GenerationConfig
-    model = hf_model()
+    model = hf_model(args.model)
     out = {}
     ids = torch.arange(1000, 1128, device="cuda")[None]
     model.generate(ids, max_new_tokens=8, do_sample=False)
@@ -195,9 +199,14 @@ def main() -> None:
     parser.add_argument("--peer-w1-requests", type=int, default=64,
                         help="W1 requests given to the peer (all 512 take it over 4 minutes)")
     parser.add_argument("--max-num-seqs", type=int, default=512)
+    parser.add_argument("--model", default=MODEL, choices=sorted(PRESETS),
+                        help="the dummy model's shape (the peer needs one GPU to hold it)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="GPUs of one worker (weight_bytes and the W2 roofline are per GPU)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     args = parser.parse_args()
     result = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(),
+              "model": args.model, "tensor_parallel_size": args.tensor_parallel_size,
               "torch": torch.__version__, "commit": current_commit(),
               "copy_bytes_per_s": copy_bandwidth()}
     log(f"copy bandwidth {result['copy_bytes_per_s'] / 1e12:.2f} TB/s")
