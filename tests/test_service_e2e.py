@@ -14,11 +14,9 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import grpc
 import pytest
@@ -30,12 +28,10 @@ from router.admission import AdmissionConfig
 from router.fleet import FleetConfig
 from router.server import Router, RouterConfig
 from worker.sampling_params import SamplingParams
-from worker_process import free_port
+from worker_process import REPO, WorkerProcess, free_port, module_command
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parent.parent
-STARTUP_TIMEOUT_S = 120  # several workers load at once on a small CPU machine
 PROMPTS = [
     "The capital of France is", "def fibonacci(n):", "Once upon a time,", "1, 2, 3, 4,",
     "The quick brown fox", "La vie est belle parce que", "In 1969, astronauts",
@@ -47,17 +43,6 @@ PROMPTS = [
 # to many seconds.
 FAST_RECONNECT = [("grpc.initial_reconnect_backoff_ms", 100),
                   ("grpc.min_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 500)]
-
-
-def module_command(module: str, *args: str) -> list[str]:
-    """`python -m module args`; on Linux the process also asks the kernel to kill it when the
-    test process dies, even by SIGKILL (an out-of-memory kill), so no worker outlives a run."""
-    if sys.platform != "linux":
-        return [sys.executable, "-m", module, *args]
-    launcher = ("import ctypes, runpy, signal; "
-                "ctypes.CDLL(None).prctl(1, signal.SIGKILL); "  # 1: PR_SET_PDEATHSIG
-                f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)")
-    return [sys.executable, "-c", launcher, *args]
 
 
 def wait_serving(address: str, process: subprocess.Popen, timeout_s: float) -> None:
@@ -75,46 +60,6 @@ def wait_serving(address: str, process: subprocess.Popen, timeout_s: float) -> N
     raise TimeoutError(f"{address} did not serve within {timeout_s} s")
 
 
-@dataclass
-class WorkerProcess:
-    """A `python -m worker.server` subprocess."""
-
-    name: str
-    flags: list[str]
-    log_path: Path
-    port: int = field(default_factory=free_port)
-    process: subprocess.Popen | None = None
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        command = module_command(
-            "worker.server", "--host", "127.0.0.1", "--port", str(self.port), "--worker-id",
-            self.name, "--model", "default", "--device", "cpu", "--dtype", "float32",
-            # As on a GPU, where it is the default: kills, drains and preemptions meet tokens
-            # still in flight.
-            "--async-scheduling", "--metrics-port", "0", *self.flags)
-        # One thread each: several workers share a small machine.
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-        with open(self.log_path, "w") as log:
-            self.process = subprocess.Popen(command, cwd=REPO, env=env, stdout=log,
-                                            stderr=subprocess.STDOUT)
-
-    def wait_serving(self) -> None:
-        try:
-            wait_serving(self.address, self.process, STARTUP_TIMEOUT_S)
-        except (AssertionError, TimeoutError):
-            print(self.log_path.read_text()[-3000:])
-            raise
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait(timeout=30)
-
-
 WORKER_FLAGS = {
     "a": ["--num-blocks", "256"],
     "b": ["--num-blocks", "256"],
@@ -127,23 +72,27 @@ WORKER_FLAGS = {
 
 
 @pytest.fixture(scope="module")
-def workers(tmp_path_factory) -> dict[str, WorkerProcess]:
+def workers() -> dict[str, WorkerProcess]:
     """Every worker of the module, started at once so they load in parallel."""
-    logs = tmp_path_factory.mktemp("worker-logs")
-    started = {name: WorkerProcess(name, flags, logs / f"{name}.log")
-               for name, flags in WORKER_FLAGS.items()}
+    started = {name: WorkerProcess(
+        ["--worker-id", name, "--model", "default", "--device", "cpu", "--dtype", "float32",
+         # As on a GPU, where it is the default: kills, drains and preemptions meet tokens
+         # still in flight.
+         "--async-scheduling", "--metrics-port", "0", *flags],
+        env={"OMP_NUM_THREADS": "1"})       # one thread each: several share a small machine
+        for name, flags in WORKER_FLAGS.items()}
     for worker in started.values():
         worker.start()
     yield started
     for worker in started.values():
-        worker.stop()
+        worker.__exit__()
 
 
 @pytest.fixture
 def worker(workers) -> Callable[[str], WorkerProcess]:
     """workers by name, each once it serves."""
     def get(name: str) -> WorkerProcess:
-        workers[name].wait_serving()
+        workers[name].wait_ready()
         return workers[name]
     return get
 

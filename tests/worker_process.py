@@ -23,7 +23,7 @@ import grpc
 from common.pb import generation_pb2, worker_pb2, worker_pb2_grpc
 
 REPO = Path(__file__).resolve().parent.parent
-STARTUP_TIMEOUT_S = 90     # loading SmolLM2 takes ~15 s, more on a loaded machine
+STARTUP_TIMEOUT_S = 120    # loading SmolLM2 takes ~15 s, more with several loading at once
 
 
 _handed_out: set[int] = set()
@@ -41,24 +41,56 @@ def free_port() -> int:
             return port
 
 
+def module_command(module: str, *args: str) -> list[str]:
+    """`python -m module args`; on Linux the process also asks the kernel to kill it when the
+    test process dies, even by SIGKILL (an out-of-memory kill), so no server outlives a run."""
+    if sys.platform != "linux":
+        return [sys.executable, "-m", module, *args]
+    launcher = ("import ctypes, runpy, signal; "
+                "ctypes.CDLL(None).prctl(1, signal.SIGKILL); "  # 1: PR_SET_PDEATHSIG
+                f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)")
+    return [sys.executable, "-c", launcher, *args]
+
+
 class WorkerProcess:
-    """A worker subprocess on loopback with a 128-block KV pool, ready once entered; its log
-    is shown when it fails to start."""
+    """A worker subprocess on loopback with a 128-block KV pool (later flags override), ready
+    once entered; its log is shown when it fails to start. Several can be `start`ed first and
+    waited for afterwards, so that they load their models in parallel."""
 
     def __init__(self, args: Sequence[str] = (), env: dict[str, str | None] | None = None):
         """`env`: variables to set for the worker, or (None) to remove from what it inherits."""
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self._args = ["--host", "127.0.0.1", "--port", str(self.port), "--num-blocks", "128", *args]
-        self._env = {name: value for name, value in {**os.environ, **(env or {})}.items() if value is not None}
+        self._env = {name: value for name, value in {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}.items()
+                     if value is not None}
         self._log = tempfile.TemporaryFile(mode="w+")
         self.process: subprocess.Popen | None = None
 
-    def __enter__(self) -> WorkerProcess:
-        self.process = subprocess.Popen([sys.executable, "-m", "worker.server", *self._args], cwd=REPO,
+    def start(self) -> None:
+        self.process = subprocess.Popen(module_command("worker.server", *self._args), cwd=REPO,
                                         env=self._env, stdout=self._log, stderr=subprocess.STDOUT)
+
+    def wait_ready(self) -> None:
+        """Returns once the worker answers Info; fails with its log if it exits or is slow."""
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        with grpc.insecure_channel(self.address) as channel:
+            stub = worker_pb2_grpc.WorkerStub(channel)
+            while True:
+                if self.process.poll() is not None:
+                    raise RuntimeError(f"worker exited with {self.process.returncode}:\n{self.log()}")
+                try:
+                    stub.Info(worker_pb2.InfoRequest(), timeout=1)
+                    return
+                except grpc.RpcError:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"worker not serving after {STARTUP_TIMEOUT_S} s:\n{self.log()}")
+                    time.sleep(0.2)
+
+    def __enter__(self) -> WorkerProcess:
+        self.start()
         try:
-            self._wait_ready()
+            self.wait_ready()
         except BaseException:
             self.__exit__()
             raise
@@ -77,21 +109,6 @@ class WorkerProcess:
     def log(self) -> str:
         self._log.seek(0)
         return self._log.read()
-
-    def _wait_ready(self) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        with grpc.insecure_channel(self.address) as channel:
-            stub = worker_pb2_grpc.WorkerStub(channel)
-            while True:
-                if self.process.poll() is not None:
-                    raise RuntimeError(f"worker exited with {self.process.returncode}:\n{self.log()}")
-                try:
-                    stub.Info(worker_pb2.InfoRequest(), timeout=1)
-                    return
-                except grpc.RpcError:
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"worker not serving after {STARTUP_TIMEOUT_S} s:\n{self.log()}")
-                    time.sleep(0.2)
 
 
 def submit(request_id: str, prompt: list[int], max_tokens: int, trace_context: dict[str, str] | None = None,
