@@ -24,6 +24,7 @@ from worker.config import EngineConfig  # noqa: E402
 from worker.engine import LLMEngine  # noqa: E402
 from worker.models.loader import PRESETS  # noqa: E402
 from report import current_commit  # noqa: E402
+from workloads import w1_requests  # noqa: E402
 from worker.sampling_params import SamplingParams  # noqa: E402
 
 MODEL = "llama-3.1-8b"
@@ -45,11 +46,6 @@ def copy_bandwidth() -> float:
         dst.copy_(src)
     torch.cuda.synchronize()
     return 2 * src.numel() * reps / (time.perf_counter() - start)
-
-
-def w1_requests(count: int = 512, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(100, 128000) for _ in range(rng.randint(32, 1024))] for _ in range(count)]
 
 
 def run_engine(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> dict:

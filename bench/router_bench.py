@@ -35,6 +35,7 @@ import grpc  # noqa: E402
 from common.pb import generation_pb2 as pb  # noqa: E402
 from common.pb import generation_pb2_grpc  # noqa: E402
 from report import current_commit  # noqa: E402
+from workloads import w1_requests  # noqa: E402
 
 INPUT_MEAN, OUTPUT_MEAN, SIGMA = 202, 179, 0.8
 
@@ -81,9 +82,7 @@ async def generate(stub, prompt: list[int], max_tokens: int, timing: Timing) -> 
 
 
 async def w1(stub, count: int, max_tokens: int, vocab: int) -> dict:
-    rng = random.Random(0)    # the same prompts as gpu_bench.w1_requests for the same vocabulary
-    prompts = [[rng.randrange(100, min(128000, vocab)) for _ in range(rng.randint(32, 1024))]
-               for _ in range(count)]
+    prompts = w1_requests(count, vocab_size=vocab)    # gpu_bench's W1 prompts
     start = time.perf_counter()
     timings = [Timing(start) for _ in prompts]
     await asyncio.gather(*(generate(stub, p, max_tokens, t) for p, t in zip(prompts, timings)))
