@@ -1,6 +1,7 @@
 """Tensor parallelism on the CPU (gloo): a worker spread over N ranks computes what one rank
 does. Ranks 1..N-1 are real processes; rank 0 is the engine in this process."""
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -121,6 +122,21 @@ def test_worker_process_serves_with_two_ranks_and_takes_them_down_on_exit(make_e
     while any(_alive(pid) for pid in children):
         assert time.monotonic() < deadline, [Path(f"/proc/{p}/cmdline").read_text() for p in children if _alive(p)]
         time.sleep(0.1)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(sys.platform != "linux", reason="reads child processes from /proc")
+def test_a_worker_whose_rank_dies_exits_saying_so_instead_of_hanging():
+    import signal
+
+    from worker_process import WorkerProcess
+
+    with WorkerProcess(["--tensor-parallel-size", "2", "--metrics-port", "0"]) as worker:
+        (rank,) = [pid for pid in _children(worker.process.pid)
+                   if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()]
+        os.kill(rank, signal.SIGKILL)
+        assert worker.process.wait(timeout=30) != 0
+        assert "tensor-parallel rank 1 exited with code -9" in worker.log()
 
 
 def _children(pid: int) -> list[int]:

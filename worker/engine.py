@@ -102,9 +102,8 @@ class LLMEngine:
     def close(self) -> None:
         """Stops the other ranks of a tensor-parallel worker (nothing to do otherwise)."""
         if self.ranks is not None:
-            self.runner.close()
-            self.ranks.join()
-            self.ranks = None
+            self.ranks.close(self.runner.channel)
+            self.runner.channel = self.ranks = None
 
     # ------------------------------------------------------------ requests
 

@@ -266,8 +266,4 @@ class ModelRunner:
         rows = torch.arange(input_ids.numel(), device=self.device)
         return self.forward_logits(StepArrays(input_ids, positions, metadata, rows))
 
-    def close(self) -> None:
-        """Tells the other ranks of a tensor-parallel worker to exit."""
-        if self.channel is not None:
-            self.channel.send_stop()
-            self.channel = None
+

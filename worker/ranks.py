@@ -10,10 +10,12 @@ already in place, so the broadcast queues behind rank 0's work without a host sy
 
 import ctypes
 import logging
+import multiprocessing.connection
 import os
 import signal
 import socket
 import sys
+import threading
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 
@@ -124,9 +126,28 @@ class Ranks:
 
     shard: Shard
     processes: list[BaseProcess] = field(default_factory=list)
+    _closing: threading.Event = field(default_factory=threading.Event)
 
-    def join(self) -> None:
-        """Waits for the ranks to exit (once told to stop) and leaves the process group."""
+    def watch(self) -> None:
+        """Ends this process, saying why, as soon as a rank dies: the collectives rank 0 takes
+        part in would otherwise wait for the dead rank forever. (A worker that exits is one
+        the router knows how to replace: it re-dispatches its requests.)"""
+        threading.Thread(target=self._watch, name="pagedserve-ranks", daemon=True).start()
+
+    def _watch(self) -> None:
+        multiprocessing.connection.wait([p.sentinel for p in self.processes])
+        if self._closing.is_set():
+            return
+        dead = next(r for r, p in enumerate(self.processes, start=1) if not p.is_alive())
+        log.critical("tensor-parallel rank %d exited with code %s; the worker cannot run without "
+                     "it and exits", dead, self.processes[dead - 1].exitcode)
+        logging.shutdown()
+        os._exit(1)
+
+    def close(self, channel: StepChannel) -> None:
+        """Tells the ranks to exit, waits for them and leaves the process group."""
+        self._closing.set()
+        channel.send_stop()
         for process in self.processes:
             process.join(timeout=30)
             if process.is_alive():
@@ -161,6 +182,7 @@ def launch(config: EngineConfig, source: ModelSource) -> Ranks:
                                   name=f"pagedserve-rank-{rank}", daemon=True)
         process.start()
         ranks.processes.append(process)
+    ranks.watch()
     _join_group(device, 0, size, address)
     log.info("tensor parallel: %d ranks on %s", size, device.type)
     return ranks
