@@ -30,11 +30,15 @@ def worker(tmp_path_factory):
         yield process
 
 
+def router_over(worker: WorkerProcess) -> Router:
+    return Router(RouterConfig(workers=[worker.address], host="127.0.0.1", port=0, http_port=0,
+                               fleet=FleetConfig(backoff_initial_s=0.2), shutdown_grace_s=1.0))
+
+
 def call(worker: WorkerProcess, request: pb.GenerateRequest) -> tuple[list[pb.GenerateResponse], grpc.aio.AioRpcError | None]:
     """Runs one Generate through a fresh router over the worker: its responses, or its error."""
     async def scenario():
-        router = Router(RouterConfig(workers=[worker.address], host="127.0.0.1", port=0,
-                                     fleet=FleetConfig(backoff_initial_s=0.2), shutdown_grace_s=1.0))
+        router = router_over(worker)
         await router.start()
         try:
             await router.fleet.wait_for(lambda fleet: bool(fleet.accepting()), 60)
@@ -76,3 +80,28 @@ def test_stop_strings_are_refused_pointing_at_stop_token_ids(worker):
                                                params=params(stop=["\n"])))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "params.stop" in error.details() and "stop_token_ids" in error.details()
+
+
+def test_http_api_takes_token_ids_and_refuses_chat_with_a_400(worker):
+    import aiohttp
+
+    async def scenario():
+        router = router_over(worker)
+        await router.start()
+        try:
+            await router.fleet.wait_for(lambda fleet: bool(fleet.accepting()), 60)
+            async with aiohttp.ClientSession(router.http_address) as http:
+                async with http.post("/v1/completions", json={
+                        "prompt": [1, 17, 42], "max_tokens": 4, "temperature": 0, "ignore_eos": True}) as r:
+                    completion = (r.status, await r.json())
+                async with http.post("/v1/chat/completions", json={
+                        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}) as r:
+                    chat = (r.status, await r.json())
+            return completion, chat
+        finally:
+            await router.stop()
+
+    (status, completion), (chat_status, chat) = asyncio.run(scenario())
+    assert status == 200 and completion["usage"]["completion_tokens"] == 4
+    assert completion["choices"][0]["text"] == ""
+    assert chat_status == 400 and "without a tokenizer" in chat["error"]["message"]
