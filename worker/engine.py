@@ -81,7 +81,12 @@ class LLMEngine:
         self.source = source or resolve_source(config.model, config.load_format)
         # Ranks 1..N-1 of a tensor-parallel worker run in processes of their own.
         self.ranks = ranks.launch(config, self.source) if config.tensor_parallel_size > 1 else None
-        self.runner = ModelRunner(config, self.source, loaded, self.ranks.shard if self.ranks else Shard())
+        try:
+            self.runner = ModelRunner(config, self.source, loaded, self.ranks.shard if self.ranks else Shard())
+        except BaseException:
+            if self.ranks is not None:
+                self.ranks.abandon()    # they would wait for this rank in a collective forever
+            raise
         if config.async_scheduling is None:
             self.config = dataclasses.replace(config, async_scheduling=self.runner.device.type == "cuda")
         self.model_config = self.runner.model_config

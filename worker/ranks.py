@@ -144,6 +144,13 @@ class Ranks:
         logging.shutdown()
         os._exit(1)
 
+    def abandon(self) -> None:
+        """Kills the ranks: rank 0 failed before it could tell them anything."""
+        self._closing.set()
+        for process in self.processes:
+            process.kill()
+            process.join()
+
     def close(self, channel: StepChannel) -> None:
         """Tells the ranks to exit, waits for them and leaves the process group."""
         self._closing.set()
