@@ -1,11 +1,13 @@
-"""What every gRPC server pagedserve starts has in common: an exclusive port."""
+"""What every gRPC server pagedserve starts has in common: it owns its port."""
 
 import grpc
 
-# gRPC sets SO_REUSEPORT by default on Linux, so a second server told a port that is already
-# taken starts without error and the kernel splits connections between the two. A worker or
-# router must own its port: refusing it makes a misconfigured port fail at startup.
-EXCLUSIVE_PORT = [("grpc.so_reuseport", 0)]
+
+def create_server(options: list[tuple[str, object]]) -> grpc.aio.Server:
+    """A grpc.aio server with `options`, which refuses to share its port. gRPC sets
+    SO_REUSEPORT by default on Linux, so a second server told a port that is already taken
+    would start without error and the kernel would split connections between the two."""
+    return grpc.aio.server(options=[*options, ("grpc.so_reuseport", 0)])
 
 
 def listen(server: grpc.aio.Server, host: str, port: int) -> int:

@@ -31,7 +31,7 @@ from grpc_reflection.v1alpha import reflection
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 
-from common.grpc_server import EXCLUSIVE_PORT, listen
+from common.grpc_server import create_server, listen
 from common.metrics import RouterMetrics, serve_metrics
 from router.admission import Admission, AdmissionConfig
 from router.counters import RouterCounters
@@ -106,8 +106,7 @@ class Router:
         return f"{host}:{self.port}"
 
     async def start(self) -> None:
-        server = grpc.aio.server(options=[
-            ("grpc.max_receive_message_length", self.config.max_request_bytes), *EXCLUSIVE_PORT])
+        server = create_server([("grpc.max_receive_message_length", self.config.max_request_bytes)])
         server.add_generic_rpc_handlers((self.service.rpc_handler(),))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(

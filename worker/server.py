@@ -32,7 +32,7 @@ from prometheus_client import CollectorRegistry
 
 from common import tracing
 from common.convert import sampling_params_from_proto
-from common.grpc_server import EXCLUSIVE_PORT, listen
+from common.grpc_server import create_server, listen
 from common.metrics import WorkerMetrics, serve_metrics
 from common.pb import worker_pb2 as pb
 from common.pb import worker_pb2_grpc
@@ -428,9 +428,8 @@ async def serve_worker(config: EngineConfig, host: str, port: int, worker_id: st
     engine = LLMEngine(config)
     service = WorkerService(engine, worker_id or f"{socket.gethostname()}:{port}",
                             model_name or engine.source.name)
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 * 2**20),
-                                      ("grpc.max_send_message_length", 64 * 2**20),
-                                      *EXCLUSIVE_PORT])
+    server = create_server([("grpc.max_receive_message_length", 64 * 2**20),
+                            ("grpc.max_send_message_length", 64 * 2**20)])
     worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
