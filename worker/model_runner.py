@@ -48,13 +48,13 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.block_size = config.block_size
         self.model_config, self.model = loaded or load_model(source, self.device, self.dtype, config.seed, shard)
+        self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads     # this rank's
         self.num_blocks = self._size_pool()
         # Rank 0 of a tensor-parallel worker sends every device operation to the other ranks.
         self.channel = StepChannel(self.device, shard) if shard.size > 1 and shard.rank == 0 else None
         cfg = self.model_config
-        num_kv_heads = self.model.layers[0].self_attn.num_kv_heads     # this rank's
         self.kv_cache = allocate_kv_cache(cfg.num_layers, self.num_blocks, self.block_size,
-                                          num_kv_heads, cfg.head_dim, self.dtype, self.device)
+                                          self.num_kv_heads, cfg.head_dim, self.dtype, self.device)
         for layer, cache in zip(self.model.layers, self.kv_cache):
             layer.self_attn.k_cache, layer.self_attn.v_cache = cache[0], cache[1]
         self.num_swap_blocks = (config.num_swap_blocks if config.num_swap_blocks is not None else
@@ -63,7 +63,7 @@ class ModelRunner:
         # Uninitialised: a host block is only ever read after a swap-out wrote all of it, and
         # untouched pages cost no memory until preemption actually swaps.
         self.swap_cache = torch.empty(cfg.num_layers, 2, self.num_swap_blocks, self.block_size,
-                                      num_kv_heads, cfg.head_dim, dtype=self.dtype,
+                                      self.num_kv_heads, cfg.head_dim, dtype=self.dtype,
                                       pin_memory=self.device.type == "cuda")
         self.pending_copies: list[tuple[int, int]] = []
         self.graphs = None
@@ -106,9 +106,8 @@ class ModelRunner:
     @property
     def block_bytes(self) -> int:
         """Bytes of one block of this rank's KV heads."""
-        cfg = self.model_config
-        local_kv_heads = self.model.layers[0].self_attn.num_kv_heads
-        return self.block_size * 2 * cfg.num_layers * local_kv_heads * cfg.head_dim * self.dtype.itemsize
+        per_head = self.model_config.kv_bytes_per_token // self.model_config.num_kv_heads
+        return self.block_size * per_head * self.num_kv_heads * self.dtype.itemsize
 
     def _size_pool(self) -> int:
         if self.config.num_blocks is not None:
