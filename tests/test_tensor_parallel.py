@@ -136,7 +136,7 @@ def test_a_worker_whose_rank_dies_exits_saying_so_instead_of_hanging():
                    if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()]
         os.kill(rank, signal.SIGKILL)
         assert worker.process.wait(timeout=30) != 0
-        assert "tensor-parallel rank 1 exited with code -9" in worker.log()
+        assert "tensor-parallel rank 1 exited" in worker.log()
 
 
 def _children(pid: int) -> list[int]:

@@ -135,13 +135,16 @@ class Ranks:
         threading.Thread(target=self._watch, name="pagedserve-ranks", daemon=True).start()
 
     def _watch(self) -> None:
-        multiprocessing.connection.wait([p.sentinel for p in self.processes])
+        sentinels = {p.sentinel: rank for rank, p in enumerate(self.processes, start=1)}
+        # The sentinels, not is_alive(): an event loop's child watcher may have reaped the
+        # process already, and then is_alive() cannot tell that it is gone.
+        ended = multiprocessing.connection.wait(list(sentinels))
         if self._closing.is_set():
             return
-        dead = next(r for r, p in enumerate(self.processes, start=1) if not p.is_alive())
-        log.critical("tensor-parallel rank %d exited with code %s; the worker cannot run without "
-                     "it and exits", dead, self.processes[dead - 1].exitcode)
-        logging.shutdown()
+        rank = sentinels[ended[0]]
+        code = self.processes[rank - 1].exitcode
+        log.critical("tensor-parallel rank %d exited%s; the worker cannot run without it and "
+                     "exits", rank, "" if code is None else f" with code {code}")
         os._exit(1)
 
     def abandon(self) -> None:
