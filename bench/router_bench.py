@@ -5,7 +5,10 @@ W1: every request sent at once, token-id prompts of 32..1024 tokens, 256 greedy 
 (the engine-level W1 of gpu_bench.py, so the two figures compare). W3: for each rate, requests
 arrive as a Poisson process for `--duration` seconds; input and output lengths are lognormal
 with means 202 and 179 tokens (sigma 0.8, clipped to [4, 2048] and [8, 1024]). TTFT is send
-to first token; TPOT is (last token - first token) / (tokens - 1) per request.
+to first token; TPOT is (last token - first token) / (tokens - 1) per request. Each phase also
+reports `kernels_compiled`: the Triton kernel variants the server compiled during it (it runs
+on a fresh Triton cache), which should be 0 once the warm-up has run, since a compile inside
+the step loop stalls every running request for hundreds of milliseconds.
 
     python bench/router_bench.py --out router.json                 # the 8B shape, dummy bf16
     python bench/router_bench.py --model default --dtype float32 --rates 1 --duration 10 \\
@@ -21,6 +24,7 @@ import random
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -119,6 +123,11 @@ async def w3(stub, rate: float, duration_s: float, vocab: int, seed: int) -> dic
             "tpot_s": percentiles([t.tpot for t in timings if t.tpot is not None])}
 
 
+def kernels_compiled(cache: Path) -> int:
+    """Kernel variants in the server's Triton cache, one directory each."""
+    return sum(1 for _ in cache.iterdir())
+
+
 def start_server(args) -> subprocess.Popen:
     command = [sys.executable, "-m", "common.cli", "serve", "--role", "all", "--host", "127.0.0.1",
                "--port", str(args.port), "--worker-port", str(args.port + 1), "--metrics-port", "0",
@@ -127,7 +136,8 @@ def start_server(args) -> subprocess.Popen:
                *(["--load-format", args.load_format] if args.load_format else []), *args.engine_args]
     log("starting", " ".join(command))
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    server = subprocess.Popen(command, cwd=REPO, env={**os.environ, "PYTHONPATH": path},
+    env = {**os.environ, "PYTHONPATH": path, "TRITON_CACHE_DIR": str(args.triton_cache)}
+    server = subprocess.Popen(command, cwd=REPO, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     serving = threading.Event()
 
@@ -151,12 +161,19 @@ async def run(args) -> dict:
         stub = generation_pb2_grpc.GenerationStub(channel)
         vocab = (await stub.ModelInfo(pb.ModelInfoRequest())).vocab_size
         await w1(stub, 32, 8, vocab)        # warm up every kernel variant
+
+        async def phase(workload):
+            before = kernels_compiled(args.triton_cache)
+            outcome = await workload
+            outcome["kernels_compiled"] = kernels_compiled(args.triton_cache) - before
+            return outcome
+
         if args.w1_requests:
-            result["w1"] = await w1(stub, args.w1_requests, args.w1_max_tokens, vocab)
+            result["w1"] = await phase(w1(stub, args.w1_requests, args.w1_max_tokens, vocab))
             log("W1 router", json.dumps(result["w1"]))
         result["w3"] = []
         for i, rate in enumerate(args.rates):
-            result["w3"].append(await w3(stub, rate, args.duration, vocab, seed=i))
+            result["w3"].append(await phase(w3(stub, rate, args.duration, vocab, seed=i)))
             log("W3", json.dumps(result["w3"][-1]))
     return result
 
@@ -178,12 +195,14 @@ def main() -> None:
     args = parser.parse_args()
     result = {"date": time.strftime("%Y-%m-%d"), "model": args.model, "dtype": args.dtype,
               "commit": current_commit()}
-    server = start_server(args)
-    try:
-        result.update(asyncio.run(run(args)))
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
+    with tempfile.TemporaryDirectory(prefix="pagedserve-triton-") as cache:
+        args.triton_cache = Path(cache)
+        server = start_server(args)
+        try:
+            result.update(asyncio.run(run(args)))
+        finally:
+            server.terminate()
+            server.wait(timeout=60)
     Path(args.out).write_text(json.dumps(result, indent=2))
 
 

@@ -12,7 +12,9 @@ The sequences of a step are told apart at run time, on the device, by their quer
 Both pack the query heads that share a KV head as rows of one tile, so each K/V tile is
 read from memory once per group. Grids depend on shapes and on the python ints
 `max_query_len` / `max_seq_len` only, never on tensor values, so a step can be captured in
-a CUDA graph (the caller then passes upper bounds for the two ints).
+a CUDA graph (the caller then passes upper bounds for the two ints). The split count is a
+run-time argument, not a constexpr: it changes with the batch, and a constexpr would compile
+a new kernel variant, hundreds of milliseconds inside the step loop, for each value met.
 """
 
 from dataclasses import dataclass
@@ -96,12 +98,12 @@ def _attend(acc, m_i, l_i, q, q_pos, k_cache, v_cache, block_table, kv_head, lo,
 
 @triton.jit
 def _decode_kernel(out, part_out, part_lse, q, k_cache, v_cache, block_tables, seq_lens,
-                   query_start_loc, qk_scale,
+                   query_start_loc, qk_scale, num_splits,
                    stride_qt, stride_qh, stride_ot, stride_oh,
                    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
                    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                   NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                   SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -112,7 +114,7 @@ def _decode_kernel(out, part_out, part_lse, q, k_cache, v_cache, block_tables, s
     seq_len = tl.load(seq_lens + seq)
 
     # Splits are cut from the actual length, so a bound passed as max_seq_len costs nothing.
-    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     lo = split * per_split
     hi = tl.minimum(lo + per_split, seq_len)
 
@@ -136,20 +138,19 @@ def _decode_kernel(out, part_out, part_lse, q, k_cache, v_cache, block_tables, s
     # weighs nothing in the reduction.
     l_i = tl.where(l_i > 0, l_i, 1.0)
     acc = acc / l_i[:, None]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         tl.store(out + q_start * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
                  acc.to(out.dtype.element_ty), mask=row_ok[:, None])
     else:
-        part = (seq * NUM_HEADS + heads) * NUM_SPLITS + split
+        part = (seq * NUM_HEADS + heads) * num_splits + split
         tl.store(part_out + part[:, None] * HEAD_DIM + offs_d[None, :], acc,
                  mask=row_ok[:, None])
         tl.store(part_lse + part, m_i + tl.log2(l_i), mask=row_ok)
 
 
 @triton.jit
-def _reduce_kernel(out, part_out, part_lse, query_start_loc, stride_ot, stride_oh,
-                   NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   NUM_SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr):
+def _reduce_kernel(out, part_out, part_lse, query_start_loc, num_splits, stride_ot, stride_oh,
+                   NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SPLITS: tl.constexpr):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     q_start = tl.load(query_start_loc + seq)
@@ -157,11 +158,11 @@ def _reduce_kernel(out, part_out, part_lse, query_start_loc, stride_ot, stride_o
         return
     splits = tl.arange(0, BLOCK_SPLITS)
     offs_d = tl.arange(0, HEAD_DIM)
-    part = (seq * NUM_HEADS + head) * NUM_SPLITS + splits
-    lse = tl.load(part_lse + part, mask=splits < NUM_SPLITS, other=float("-inf"))
+    part = (seq * NUM_HEADS + head) * num_splits + splits
+    lse = tl.load(part_lse + part, mask=splits < num_splits, other=float("-inf"))
     weight = tl.exp2(lse - tl.max(lse, 0))
     partial = tl.load(part_out + part[:, None] * HEAD_DIM + offs_d[None, :],
-                      mask=(splits < NUM_SPLITS)[:, None], other=0.0)
+                      mask=(splits < num_splits)[:, None], other=0.0)
     result = tl.sum(partial * weight[:, None], 0) / tl.sum(weight, 0)
     tl.store(out + q_start * stride_ot + head * stride_oh + offs_d, result.to(out.dtype.element_ty))
 
@@ -293,17 +294,16 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                                device=q.device)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         out, part_out, part_lse, q, k_cache, v_cache, block_tables, seq_lens,
-        query_start_loc, qk_scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        *pool_strides,
+        query_start_loc, qk_scale, num_splits, q.stride(0), q.stride(1), out.stride(0),
+        out.stride(1), *pool_strides,
         NUM_HEADS=num_heads, GROUP=group, BLOCK_G=max(16, group_pad), HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, BLOCK_N=cfg.decode_block_n, NUM_SPLITS=num_splits,
+        BLOCK_SIZE=block_size, BLOCK_N=cfg.decode_block_n, SPLIT=num_splits > 1,
         DOT_PRECISION=dot_precision, num_warps=cfg.decode_num_warps,
         num_stages=cfg.decode_num_stages)
     if num_splits > 1:
         _reduce_kernel[(num_seqs, num_heads)](
-            out, part_out, part_lse, query_start_loc, out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
-            BLOCK_SPLITS=triton.next_power_of_2(num_splits))
+            out, part_out, part_lse, query_start_loc, num_splits, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_SPLITS=triton.next_power_of_2(num_splits))
 
     if max_query_len > 1:
         # Wide rows (fp32, head_dim over 128) need twice the shared memory per tile: halve

@@ -33,3 +33,9 @@ def test_targets_met_and_missed_are_called_so_with_the_shortfall():
     assert "77% of the engine-level figure" in row(text, "| W1 through") and "missed" in row(text, "| W1 through")
     assert "TTFT p50 59 ms" in row(text, "| W3 at 32") and "**met**" in row(text, "| W3 at 32")
     assert text.startswith("## 2026-11-29") and "Commit `abc1234`" in text
+
+
+def test_kernel_compiles_during_a_measured_phase_are_reported():
+    router = {**ROUTER, "w3": [{**ROUTER["w3"][0], "kernels_compiled": 3}]}
+    assert "3 kernel compiles during it" in row(section(GPU, router, "x"), "| W3 at 32")
+    assert "compile" not in row(section(GPU, ROUTER, "x"), "| W3 at 32")
