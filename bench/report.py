@@ -58,8 +58,9 @@ def gpu_rows(g: dict) -> list[str]:
 
 def compiled(phase: dict) -> str:
     """A note of kernels compiled during a measured phase: each one stalled the step loop."""
-    n = phase.get("kernels_compiled", 0)
-    return f"; {n} kernel compile{'s' if n > 1 else ''} during it" if n else ""
+    names = phase.get("kernels_compiled", [])
+    n = len(names)
+    return f"; {n} kernel compile{'s' if n > 1 else ''} during it ({', '.join(names)})" if n else ""
 
 
 def router_rows(r: dict, engine_w1: float | None) -> list[str]:

@@ -123,9 +123,14 @@ async def w3(stub, rate: float, duration_s: float, vocab: int, seed: int) -> dic
             "tpot_s": percentiles([t.tpot for t in timings if t.tpot is not None])}
 
 
-def kernels_compiled(cache: Path) -> int:
-    """Kernel variants in the server's Triton cache, one directory each."""
-    return sum(1 for _ in cache.iterdir())
+def cache_entries(cache: Path) -> set[Path]:
+    """The server's Triton cache: one directory per compiled kernel variant."""
+    return set(cache.iterdir())
+
+
+def kernel_name(entry: Path) -> str:
+    names = [f.stem for f in entry.glob("*.json") if not f.name.startswith("__grp__")]
+    return names[0] if names else entry.name
 
 
 def start_server(args) -> subprocess.Popen:
@@ -163,9 +168,10 @@ async def run(args) -> dict:
         await w1(stub, 32, 8, vocab)        # warm up every kernel variant
 
         async def phase(workload):
-            before = kernels_compiled(args.triton_cache)
+            before = cache_entries(args.triton_cache)
             outcome = await workload
-            outcome["kernels_compiled"] = kernels_compiled(args.triton_cache) - before
+            new = cache_entries(args.triton_cache) - before
+            outcome["kernels_compiled"] = sorted(kernel_name(entry) for entry in new)
             return outcome
 
         if args.w1_requests:

@@ -12,9 +12,10 @@ The sequences of a step are told apart at run time, on the device, by their quer
 Both pack the query heads that share a KV head as rows of one tile, so each K/V tile is
 read from memory once per group. Grids depend on shapes and on the python ints
 `max_query_len` / `max_seq_len` only, never on tensor values, so a step can be captured in
-a CUDA graph (the caller then passes upper bounds for the two ints). The split count is a
-run-time argument, not a constexpr: it changes with the batch, and a constexpr would compile
-a new kernel variant, hundreds of milliseconds inside the step loop, for each value met.
+a CUDA graph (the caller then passes upper bounds for the two ints). Integers that change
+with the batch (split count, sequence count) are run-time arguments that Triton is told not
+to specialise: each new value of a constexpr, or a value that happens to be 1 or a multiple
+of 16, would compile another kernel variant, a stall of a second or more inside the step loop.
 """
 
 from dataclasses import dataclass
@@ -96,7 +97,7 @@ def _attend(acc, m_i, l_i, q, q_pos, k_cache, v_cache, block_table, kv_head, lo,
     return acc, m_i, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_kernel(out, part_out, part_lse, q, k_cache, v_cache, block_tables, seq_lens,
                    query_start_loc, qk_scale, num_splits,
                    stride_qt, stride_qh, stride_ot, stride_oh,
@@ -148,7 +149,7 @@ def _decode_kernel(out, part_out, part_lse, q, k_cache, v_cache, block_tables, s
         tl.store(part_lse + part, m_i + tl.log2(l_i), mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _reduce_kernel(out, part_out, part_lse, query_start_loc, num_splits, stride_ot, stride_oh,
                    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SPLITS: tl.constexpr):
     seq = tl.program_id(0)
@@ -156,14 +157,26 @@ def _reduce_kernel(out, part_out, part_lse, query_start_loc, num_splits, stride_
     q_start = tl.load(query_start_loc + seq)
     if tl.load(query_start_loc + seq + 1) - q_start != 1:
         return
-    splits = tl.arange(0, BLOCK_SPLITS)
+    # The splits are visited BLOCK_SPLITS at a time, so one compiled variant serves any count.
+    offs_s = tl.arange(0, BLOCK_SPLITS)
     offs_d = tl.arange(0, HEAD_DIM)
-    part = (seq * NUM_HEADS + head) * num_splits + splits
-    lse = tl.load(part_lse + part, mask=splits < num_splits, other=float("-inf"))
-    weight = tl.exp2(lse - tl.max(lse, 0))
-    partial = tl.load(part_out + part[:, None] * HEAD_DIM + offs_d[None, :],
-                      mask=(splits < num_splits)[:, None], other=0.0)
-    result = tl.sum(partial * weight[:, None], 0) / tl.sum(weight, 0)
+    first = (seq * NUM_HEADS + head) * num_splits
+    m = tl.full([BLOCK_SPLITS], float("-inf"), tl.float32)
+    for start in range(0, num_splits, BLOCK_SPLITS):
+        splits = start + offs_s
+        m = tl.maximum(m, tl.load(part_lse + first + splits, mask=splits < num_splits,
+                                  other=float("-inf")))
+    m_max = tl.max(m, 0)
+    acc = tl.zeros([BLOCK_SPLITS, HEAD_DIM], tl.float32)
+    weights = tl.zeros([BLOCK_SPLITS], tl.float32)
+    for start in range(0, num_splits, BLOCK_SPLITS):
+        splits = start + offs_s
+        ok = splits < num_splits
+        weight = tl.exp2(tl.load(part_lse + first + splits, mask=ok, other=float("-inf")) - m_max)
+        acc += tl.load(part_out + (first + splits)[:, None] * HEAD_DIM + offs_d[None, :],
+                       mask=ok[:, None], other=0.0) * weight[:, None]
+        weights += weight
+    result = tl.sum(acc, 0) / tl.sum(weights, 0)
     tl.store(out + q_start * stride_ot + head * stride_oh + offs_d, result.to(out.dtype.element_ty))
 
 
@@ -183,7 +196,7 @@ def _find_sequence(query_start_loc, tile, num_seqs, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])
 def _prefill_kernel(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                     qk_scale, num_seqs,
                     stride_qt, stride_qh, stride_ot, stride_oh,
@@ -303,7 +316,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if num_splits > 1:
         _reduce_kernel[(num_seqs, num_heads)](
             out, part_out, part_lse, query_start_loc, num_splits, out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_SPLITS=triton.next_power_of_2(num_splits))
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_SPLITS=16)
 
     if max_query_len > 1:
         # Wide rows (fp32, head_dim over 128) need twice the shared memory per tile: halve

@@ -36,6 +36,7 @@ def test_targets_met_and_missed_are_called_so_with_the_shortfall():
 
 
 def test_kernel_compiles_during_a_measured_phase_are_reported():
-    router = {**ROUTER, "w3": [{**ROUTER["w3"][0], "kernels_compiled": 3}]}
-    assert "3 kernel compiles during it" in row(section(GPU, router, "x"), "| W3 at 32")
+    router = {**ROUTER, "w3": [{**ROUTER["w3"][0], "kernels_compiled": ["_decode_kernel", "_reduce_kernel"]}]}
+    assert ("2 kernel compiles during it (_decode_kernel, _reduce_kernel)"
+            in row(section(GPU, router, "x"), "| W3 at 32"))
     assert "compile" not in row(section(GPU, ROUTER, "x"), "| W3 at 32")

@@ -279,7 +279,7 @@ def test_interp_attention(shape, batch_name, dtype):
 
 
 @interpreter_only
-@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("num_splits", [1, 3, 37])   # 37: more splits than one reduce tile
 def test_interp_attention_ignores_unwritten_slots(num_splits):
     from kernels.triton_attention import AttentionConfig, paged_attention_triton
 
@@ -385,7 +385,7 @@ def test_gpu_attention(shape, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_splits", [1, 2, 5, 16])
+@pytest.mark.parametrize("num_splits", [1, 2, 5, 16, 37])
 def test_gpu_attention_splits_and_unwritten_slots(num_splits):
     from kernels.triton_attention import AttentionConfig, paged_attention_triton
 
