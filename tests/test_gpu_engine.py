@@ -1,5 +1,9 @@
 """The engine on an NVIDIA GPU: logits against transformers, CUDA graphs against eager."""
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -146,3 +150,43 @@ def test_two_gpu_ranks_match_one(tmp_path, dtype):
 def test_async_scheduling_is_on_by_default_on_a_gpu(tmp_path):
     tiny_llama(tmp_path)
     assert engine_for(tmp_path, "float32").config.async_scheduling is True
+
+
+COUNT_COMPILES_IN_STEPS = """
+import sys, torch, triton
+from worker.config import EngineConfig
+from worker.engine import LLMEngine
+from worker.sampling_params import SamplingParams
+
+engine = LLMEngine(EngineConfig(model=sys.argv[1], device="cuda", dtype=sys.argv[2], num_blocks=256,
+                                max_num_seqs=32, max_num_batched_tokens=256))
+compiled = []
+triton.knobs.runtime.jit_cache_hook = lambda *, repr, **_: compiled.append(repr)
+gen = torch.Generator().manual_seed(9)
+lengths = iter([2, 3, 5, 17, 40, 200, 700, 900, 4, 1, 64, 300])
+tokens = 0
+while engine.has_unfinished() or tokens == 0:
+    n = next(lengths, None)      # one new request per step while they last: every mix of steps
+    if n is not None:
+        engine.add_request(str(n), torch.randint(0, 512, (n,), generator=gen).tolist(),
+                           SamplingParams(temperature=0, max_tokens=min(60, 1000 - n), ignore_eos=True))
+    tokens += sum(len(o.new_token_ids) for o in engine.step())
+print(tokens, len(compiled))
+print(*compiled, sep="\\n")
+"""
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_serving_steps_compile_no_kernels_after_startup(tmp_path, dtype):
+    """A kernel compiled inside the step loop stalls every running request for a second or
+    more: startup compiles every variant the steps use. A fresh process, so no other test's
+    compiles count."""
+    tiny_llama(tmp_path)
+    result = subprocess.run([sys.executable, "-c", COUNT_COMPILES_IN_STEPS, str(tmp_path), dtype],
+                            cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    counts, *names = result.stdout.splitlines()
+    tokens, compiles = map(int, counts.split())
+    assert tokens > 0
+    assert compiles == 0, names

@@ -69,6 +69,7 @@ class ModelRunner:
         self.graphs = None
         if self.device.type == "cuda":
             self._alloc_staging()
+            self._compile_eager_kernels()
             # Tensor-parallel ranks run eagerly: their collectives are not captured (yet).
             if not config.enforce_eager and shard.size == 1:
                 self.graphs = DecodeGraphs(
@@ -79,6 +80,30 @@ class ModelRunner:
                  cfg.architecture, self.device, str(self.dtype).removeprefix("torch."), self.num_blocks,
                  self.block_size, self.num_blocks * self.block_size, self.kv_cache.numel()
                  * self.kv_cache.element_size() / 2**30)
+
+    @torch.inference_mode()
+    def _compile_eager_kernels(self) -> None:
+        """Runs two throwaway mixed steps so that every attention kernel variant an eager step
+        can use is compiled now rather than inside the step loop, where a compile stalls all
+        running requests for a second or more: a decode next to a short prompt (one split,
+        short query tiles) and a decode over a long context next to a long prompt (split
+        decode, long query tiles). Nothing is written to the pool (slots -1). Every rank of a
+        tensor-parallel worker runs the same steps, so their collectives pair up."""
+        long_context = min(self.max_model_len, 4096)
+        for context, prompt in ((1, 2), (long_context, 128)):
+            blocks = -(-max(context, prompt) // self.block_size)
+            n = 1 + prompt
+            ids = torch.zeros(n, dtype=torch.long, device=self.device)
+            set_context(AttentionMetadata(
+                slot_mapping=torch.full((n,), -1, dtype=torch.long, device=self.device),
+                block_tables=torch.zeros(2, blocks, dtype=torch.int32, device=self.device),
+                seq_lens=torch.tensor([context, prompt], dtype=torch.int32, device=self.device),
+                query_start_loc=torch.tensor([0, 1, n], dtype=torch.int32, device=self.device),
+                max_query_len=prompt, max_seq_len=max(context, prompt)))
+            try:
+                self.model(ids, ids)
+            finally:
+                set_context(None)
 
     @property
     def max_model_len(self) -> int:
