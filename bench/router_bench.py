@@ -178,8 +178,8 @@ async def run(args) -> dict:
             result["w1"] = await phase(w1(stub, args.w1_requests, args.w1_max_tokens, vocab))
             log("W1 router", json.dumps(result["w1"]))
         result["w3"] = []
-        for i, rate in enumerate(args.rates):
-            result["w3"].append(await phase(w3(stub, rate, args.duration, vocab, seed=i)))
+        for rate in args.rates:
+            result["w3"].append(await phase(w3(stub, rate, args.duration, vocab, seed=round(rate * 1000))))
             log("W3", json.dumps(result["w3"][-1]))
     return result
 

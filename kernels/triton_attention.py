@@ -13,8 +13,8 @@ Both pack the query heads that share a KV head as rows of one tile, so each K/V 
 read from memory once per group. Grids depend on shapes and on the python ints
 `max_query_len` / `max_seq_len` only, never on tensor values, so a step can be captured in
 a CUDA graph (the caller then passes upper bounds for the two ints). Integers that change
-with the batch (split count, sequence count) are run-time arguments that Triton is told not
-to specialise: each new value of a constexpr, or a value that happens to be 1 or a multiple
+with the batch (split count, sequence count, block-table width) are run-time arguments that
+Triton is told not to specialise: each new value of a constexpr, or a value that happens to be 1 or a multiple
 of 16, would compile another kernel variant, a stall of a second or more inside the step loop.
 """
 
@@ -97,7 +97,7 @@ def _attend(acc, m_i, l_i, q, q_pos, k_cache, v_cache, block_table, kv_head, lo,
     return acc, m_i, l_i
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _decode_kernel(out, part_out, part_lse, q, k_cache, v_cache, block_tables, seq_lens,
                    query_start_loc, qk_scale, num_splits,
                    stride_qt, stride_qh, stride_ot, stride_oh,
@@ -196,7 +196,7 @@ def _find_sequence(query_start_loc, tile, num_seqs, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit(do_not_specialize=["num_seqs"])
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _prefill_kernel(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                     qk_scale, num_seqs,
                     stride_qt, stride_qh, stride_ot, stride_oh,
