@@ -18,11 +18,14 @@ TARGETS = {"w1": 10_000, "w2": 230, "w1_router_fraction": 0.90, "w3_tpot_p50_s":
 
 
 def current_commit() -> str:
-    """The checkout's commit; on a machine the tree was copied to without .git, what the
-    caller put in PAGEDSERVE_COMMIT."""
+    """What the caller put in PAGEDSERVE_COMMIT, else the checkout's commit. The variable
+    wins: a tree copied to another machine may carry no .git, or a stale one (the device
+    machine's copy reported the session's first commit for every later run)."""
+    if commit := os.environ.get("PAGEDSERVE_COMMIT"):
+        return commit
     git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                          cwd=Path(__file__).resolve().parent)
-    return git.stdout.strip() or os.environ.get("PAGEDSERVE_COMMIT", "")
+    return git.stdout.strip()
 
 
 def verdict(met: bool, missed_by: float) -> str:

@@ -40,3 +40,9 @@ def test_kernel_compiles_during_a_measured_phase_are_reported():
     assert ("2 kernel compiles during it (_decode_kernel, _reduce_kernel)"
             in row(section(GPU, router, "x"), "| W3 at 32"))
     assert "compile" not in row(section(GPU, ROUTER, "x"), "| W3 at 32")
+
+
+def test_commit_named_by_the_caller_wins_over_the_checkout(monkeypatch):
+    from report import current_commit
+    monkeypatch.setenv("PAGEDSERVE_COMMIT", "feed123")
+    assert current_commit() == "feed123"
