@@ -1,4 +1,4 @@
-"""Admission control: per-worker token budgets, a cap on concurrency, a bounded FIFO queue.
+"""Admission control: per-worker token budgets, a cap on concurrency, a bounded priority queue.
 
 Each worker offers a budget of kv_capacity_tokens × overcommit tokens. A request reserves
 (prompt + max_tokens) × n of them on the worker it is placed on, for as long as it runs: the
@@ -6,21 +6,32 @@ most KV it could ever need. An overcommit above 1 bets that requests seldom reac
 when the bet is lost the worker preempts, it does not fail.
 
 A request that fits nowhere waits in a queue bounded in length (max_queue_len) and in time
-(max_wait_s); past either bound it fails with Overloaded, which carries a retry-after hint.
+(max_wait_s); past either bound it fails with Overloaded, which carries a retry-after hint in
+whole seconds.
 
-Fairness is strict FIFO: a request is placed only once every request queued before it has been
-placed or has given up, and a newcomer queues behind waiters even when it would fit right now.
-A large request at the head is therefore never starved by a stream of small ones that each fit;
-the price is that small requests behind it wait (head-of-line blocking) until room frees up for
-it, which the max_wait_s bound keeps finite.
+The queue is ordered by (priority, arrival): a lower priority value comes first (as the API
+promises, "lower values are served sooner"), and requests of equal priority keep their arrival
+order (FIFO). Only the head of that order is ever placed: a request is placed once every waiter
+before it in the order has been placed or has given up. A newcomer is placed at once only when
+no waiter comes before it (the queue is empty, or every waiter has a worse, i.e. higher,
+priority value) and it fits right now; otherwise it queues, even when it would fit. A newcomer
+that would have to wait while the queue is full fails with Overloaded whatever its priority: it
+never displaces a waiter.
+
+Within one priority, a large request at the head is therefore never starved by a stream of small
+ones that each fit; the price is that requests behind it wait (head-of-line blocking) until room
+frees up for it. Requests of a better priority do overtake it, and a steady stream of them can
+keep it waiting; the max_wait_s bound keeps either wait finite.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
+import itertools
+import math
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -33,8 +44,9 @@ class Overloaded(AdmissionError):
     """The queue is full, or the request waited too long (RESOURCE_EXHAUSTED / HTTP 429)."""
 
     def __init__(self, message: str, retry_after_s: float) -> None:
-        super().__init__(f"{message}; retry in about {retry_after_s:.0f} s")
-        self.retry_after_s = retry_after_s
+        # Whole seconds, rounded up, once: the message and the retry-after trailer say the same.
+        self.retry_after_s: int = math.ceil(retry_after_s)
+        super().__init__(f"{message}; retry in about {self.retry_after_s} s")
 
 
 class NoWorkers(AdmissionError):
@@ -108,6 +120,7 @@ class _Waiter:
     tokens: int
     choose: WorkerChooser
     granted: asyncio.Future[Reservation]
+    order: tuple[int, int]  # (priority, arrival sequence number): the queue's sort key
 
 
 class Admission:
@@ -122,7 +135,8 @@ class Admission:
     def __init__(self, config: AdmissionConfig = AdmissionConfig()) -> None:
         self.config = config
         self._workers: dict[str, WorkerBudget] = {}
-        self._queue: deque[_Waiter] = deque()
+        self._queue: list[_Waiter] = []  # sorted by _Waiter.order; the head is [0]
+        self._arrivals = itertools.count()
         self._num_admitted = 0
         self._mean_hold_s = 1.0  # until the first release says otherwise
 
@@ -152,11 +166,12 @@ class Admission:
         """Forgets a worker. Reservations still on it hold nothing until moved or released."""
         self._workers.pop(worker_id, None)
 
-    async def reserve(self, tokens: int, choose: WorkerChooser) -> Reservation:
+    async def reserve(self, tokens: int, choose: WorkerChooser, priority: int = 0) -> Reservation:
         """Reserves tokens on a worker picked by `choose`, waiting in the queue if need be.
 
-        Raises NoWorkers, RequestTooLarge or Overloaded. Cancelling the caller while it waits
-        leaves nothing reserved.
+        A lower `priority` value is served sooner; see the module docstring. Raises NoWorkers,
+        RequestTooLarge or Overloaded. Cancelling the caller while it waits leaves nothing
+        reserved.
         """
         if tokens < 1:
             raise ValueError(f"tokens={tokens} must be >= 1")
@@ -165,9 +180,10 @@ class Admission:
             raise NoWorkers("no worker is ready to accept requests")
         largest = max(w.capacity_tokens for w in accepting)
         if tokens > largest:
-            raise RequestTooLarge(f"the request needs {tokens} tokens (prompt + max_tokens, "
-                                  f"times n) but a worker holds at most {largest}")
-        if not self._queue:
+            raise RequestTooLarge(f"the request needs {tokens} tokens (prompt + max_tokens, at "
+                                  f"most max_model_len, times n) but a worker holds at most {largest}")
+        order = (priority, next(self._arrivals))
+        if not self._queue or self._queue[0].order > order:  # no waiter comes before it
             reservation = self._place(tokens, choose)
             if reservation is not None:
                 return reservation
@@ -176,8 +192,8 @@ class Admission:
                              self._retry_after_s())
 
         loop = asyncio.get_running_loop()
-        waiter = _Waiter(tokens, choose, loop.create_future())
-        self._queue.append(waiter)
+        waiter = _Waiter(tokens, choose, loop.create_future(), order)
+        bisect.insort(self._queue, waiter, key=lambda w: w.order)
         deadline = loop.call_later(self.config.max_wait_s, self._expire, waiter)
         try:
             return await waiter.granted
@@ -192,9 +208,10 @@ class Admission:
             deadline.cancel()
 
     @contextlib.asynccontextmanager
-    async def admit(self, tokens: int, choose: WorkerChooser) -> AsyncIterator[Reservation]:
+    async def admit(self, tokens: int, choose: WorkerChooser,
+                    priority: int = 0) -> AsyncIterator[Reservation]:
         """`async with admission.admit(...) as reservation:` reserves, and always releases."""
-        reservation = await self.reserve(tokens, choose)
+        reservation = await self.reserve(tokens, choose, priority)
         try:
             yield reservation
         finally:
@@ -217,17 +234,17 @@ class Admission:
         while self._queue:
             waiter = self._queue[0]
             if waiter.granted.done():  # cancelled; its task has yet to clean up
-                self._queue.popleft()
+                self._queue.pop(0)
                 continue
             try:
                 reservation = self._place(waiter.tokens, waiter.choose)
             except Exception as error:  # a broken chooser fails its own request, not a release
-                self._queue.popleft()
+                self._queue.pop(0)
                 waiter.granted.set_exception(error)
                 continue
             if reservation is None:
                 return
-            self._queue.popleft()
+            self._queue.pop(0)
             waiter.granted.set_result(reservation)
 
     def _expire(self, waiter: _Waiter) -> None:
@@ -235,7 +252,8 @@ class Admission:
             return
         self._leave_queue(waiter)
         waiter.granted.set_exception(Overloaded(
-            f"no worker had room within max_wait_s={self.config.max_wait_s:g}",
+            f"no worker had room within the queue wait limit of {self.config.max_wait_s:g} s "
+            "(--max-queue-wait)",
             self._retry_after_s()))
 
     def _leave_queue(self, waiter: _Waiter) -> None:

@@ -10,9 +10,12 @@ request's span continues the trace of its W3C `traceparent` header.
 
 from __future__ import annotations
 
+import contextlib
+import hmac
 import json
 import logging
 import math
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -32,19 +35,27 @@ HTTP_STATUS = {
     grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
     grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DEADLINE_EXCEEDED: 504,
 }
-ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-              413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable",
-              504: "timeout", 500: "internal_error"}
+# OpenAI's error types; 5xx are all "server_error". `code` is a string or null, as in OpenAI's
+# schema (typed clients reject a number there).
+ERROR_TYPE = {401: "authentication_error", 429: "rate_limit_error"}
+ERROR_CODE = {401: "invalid_api_key"}
+INT32 = (-2**31, 2**31 - 1)
 FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort"}
 MAX_BODY_BYTES = 8 * 2**20
 REQUEST_ID = web.RequestKey("request_id", str)
 
 
+# The field an INVALID_ARGUMENT message starts with: "max_tokens=0 is invalid", "prompt: ...",
+# "prompt is empty"; not the first word of a sentence ("the request needs ...").
+_PARAM = re.compile(r"([A-Za-z_][\w.\[\]]*)(?:=|:| is | has | must )")
+
+
 class HttpError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None,
-                 retry_after_s: float | None = None):
+                 retry_after_s: float | None = None, code: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.retry_after_s = status, message, param, retry_after_s
+        self.code = code or ERROR_CODE.get(status)
 
     @classmethod
     def from_api(cls, error: ApiError, renames: dict[str, str]) -> HttpError:
@@ -54,20 +65,28 @@ class HttpError(Exception):
             if message.startswith(grpc_name):
                 message = http_name + message[len(grpc_name):]
                 break
-        param = message.split("=", 1)[0].split(" ", 1)[0].rstrip(":") if error.code == \
-            grpc.StatusCode.INVALID_ARGUMENT else None
-        return cls(HTTP_STATUS.get(error.code, 500), message, param, error.retry_after_s)
+        param = code = None
+        if error.code == grpc.StatusCode.INVALID_ARGUMENT and (match := _PARAM.match(message)):
+            param = match.group(1)
+        elif error.code == grpc.StatusCode.NOT_FOUND:     # the only NOT_FOUND: an unknown model
+            param, code = "model", "model_not_found"
+        return cls(HTTP_STATUS.get(error.code, 500), message, param, error.retry_after_s, code)
+
+    def json(self) -> dict:
+        kind = "server_error" if self.status >= 500 else ERROR_TYPE.get(self.status, "invalid_request_error")
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
     def response(self) -> web.Response:
         headers = {"Retry-After": str(math.ceil(self.retry_after_s))} if self.retry_after_s else None
-        body = {"error": {"message": self.message, "type": ERROR_TYPE.get(self.status, "error"),
-                          "param": self.param, "code": self.status}}
-        return web.json_response(body, status=self.status, headers=headers)
+        return web.json_response(self.json(), status=self.status, headers=headers)
 
 
 # ------------------------------------------------------------------ request parsing
 
-def _field(body: dict, name: str, kinds: tuple[type, ...], default: Any = None) -> Any:
+def _field(body: dict, name: str, kinds: tuple[type, ...], default: Any = None,
+           limits: tuple[int, int] = INT32) -> Any:
+    """body[name] checked against `kinds`; an integer also against `limits` (the range of the
+    gRPC field it goes into), a string for being encodable text."""
     value = body.get(name, default)
     if value is None:
         return default
@@ -77,7 +96,35 @@ def _field(body: dict, name: str, kinds: tuple[type, ...], default: Any = None) 
                               if k is float else "string" if k is str else "array" if k is list
                               else "object" for k in kinds)
         raise HttpError(400, f"{name} must be {allowed}, got {json.dumps(value)[:80]}", name)
+    if isinstance(value, int) and not isinstance(value, bool):
+        _check_int(value, name, limits)
+    if isinstance(value, str):
+        _check_text(value, name)
     return value
+
+
+def _check_int(value: int, name: str, limits: tuple[int, int] = INT32) -> None:
+    if not limits[0] <= value <= limits[1]:
+        raise HttpError(400, f"{name}={value} is out of range: must be an integer in "
+                        f"[{limits[0]}, {limits[1]}]", name)
+
+
+def _int_list(values: list, name: str) -> list[int]:
+    """An array of integers that fit the gRPC API's int32 fields (token ids)."""
+    for i, value in enumerate(values):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise HttpError(400, f"{name} must be an array of integers", name)
+        _check_int(value, f"{name}[{i}]")
+    return values
+
+
+def _check_text(value: str, name: str) -> None:
+    """JSON can escape a lone UTF-16 surrogate ("\\ud800"), which is no Unicode text."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise HttpError(400, f"{name} is not valid Unicode text: it holds a lone UTF-16 "
+                        "surrogate", name) from None
 
 
 def sampling_parameters(body: dict, *, chat: bool) -> pb.SamplingParameters:
@@ -98,10 +145,8 @@ def sampling_parameters(body: dict, *, chat: bool) -> pb.SamplingParameters:
         value = _field(body, name, (int,))
         if value is not None:
             setattr(p, name, value)
-    seed = _field(body, "seed", (int,))
+    seed = _field(body, "seed", (int,), limits=(0, 2**63 - 1))
     if seed is not None:
-        if seed < 0:
-            raise HttpError(400, f"seed={seed} is invalid: must be an integer in [0, 2^63)", "seed")
         p.seed = seed
     p.min_tokens = _field(body, "min_tokens", (int,), 0)
     p.ignore_eos = _field(body, "ignore_eos", (bool,), False)
@@ -109,11 +154,10 @@ def sampling_parameters(body: dict, *, chat: bool) -> pb.SamplingParameters:
     stop = [stop] if isinstance(stop, str) else stop
     if not all(isinstance(s, str) for s in stop):
         raise HttpError(400, "stop must be a string or an array of strings", "stop")
+    for i, s in enumerate(stop):
+        _check_text(s, f"stop[{i}]")
     p.stop.extend(stop)
-    stop_ids = _field(body, "stop_token_ids", (list,), [])
-    if not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
-        raise HttpError(400, "stop_token_ids must be an array of integers", "stop_token_ids")
-    p.stop_token_ids.extend(stop_ids)
+    p.stop_token_ids.extend(_int_list(_field(body, "stop_token_ids", (list,), []), "stop_token_ids"))
     if chat:
         if _field(body, "logprobs", (bool,), False):
             p.logprobs = _field(body, "top_logprobs", (int,), 0)
@@ -130,10 +174,32 @@ def sampling_parameters(body: dict, *, chat: bool) -> pb.SamplingParameters:
         raise HttpError(400, "echo=true is not supported", "echo")
     if _field(body, "logit_bias", (dict,), {}):
         raise HttpError(400, "logit_bias is not supported", "logit_bias")
+    _refuse_unsupported(body, chat=chat)
     return p
 
 
+def _refuse_unsupported(body: dict, *, chat: bool) -> None:
+    """OpenAI features this server does not have are refused, not silently ignored: a client
+    asking for JSON output or tool calls would otherwise get plain text it cannot use."""
+    if not chat:
+        if _field(body, "suffix", (str,)):
+            raise HttpError(400, "suffix is not supported", "suffix")
+        return
+    for name in ("tools", "functions"):
+        if _field(body, name, (list,)):
+            raise HttpError(400, f"{name} are not supported: this server does not parse tool "
+                            "calls; send the conversation as plain messages", name)
+    for name in ("tool_choice", "function_call"):
+        if body.get(name) not in (None, "none"):
+            raise HttpError(400, f"{name} is not supported (tool calls are not parsed)", name)
+    response_format = _field(body, "response_format", (dict,), {})
+    if response_format.get("type", "text") != "text":
+        raise HttpError(400, f"response_format type {json.dumps(response_format.get('type'))[:40]}"
+                        " is not supported: only text", "response_format")
+
+
 def generate_request(body: dict, *, chat: bool, request_id: str) -> pb.GenerateRequest:
+    _field(body, "user", (str,))       # accepted for OpenAI clients; type-checked, unused
     request = pb.GenerateRequest(model=_field(body, "model", (str,), ""), request_id=request_id,
                                  params=sampling_parameters(body, chat=chat),
                                  priority=_field(body, "priority", (int,), 0),
@@ -148,9 +214,10 @@ def generate_request(body: dict, *, chat: bool, request_id: str) -> pb.GenerateR
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]                       # a batch of one
     if isinstance(prompt, str):
+        _check_text(prompt, "prompt")
         request.text = prompt
     elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        request.token_ids.ids.extend(prompt)
+        request.token_ids.ids.extend(_int_list(prompt, "prompt"))
     elif prompt is None:
         raise HttpError(400, "prompt is required", "prompt")
     else:
@@ -159,23 +226,31 @@ def generate_request(body: dict, *, chat: bool, request_id: str) -> pb.GenerateR
     return request
 
 
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
 def chat_messages(body: dict) -> pb.ChatMessages:
     messages = _field(body, "messages", (list,))
     if not messages:
         raise HttpError(400, "messages is required and must not be empty", "messages")
     chat = pb.ChatMessages()
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise HttpError(400, f"messages[{i}] must be an object with a string role", f"messages[{i}]")
-        content = m.get("content") or ""
+        if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES:
+            raise HttpError(400, f"messages[{i}] must be an object whose role is one of "
+                            f"{', '.join(CHAT_ROLES)}", f"messages[{i}].role")
+        name = f"messages[{i}].content"
+        content = m.get("content")
+        if content is None and m["role"] == "assistant":   # an assistant turn may be empty
+            content = ""
         if isinstance(content, list):          # content parts: only text is understood
-            if any(not isinstance(part, dict) or part.get("type") != "text" for part in content):
-                raise HttpError(400, f"messages[{i}].content: only text parts are supported",
-                                f"messages[{i}].content")
-            content = "".join(part.get("text", "") for part in content)
+            if any(not isinstance(part, dict) or part.get("type") != "text"
+                   or not isinstance(part.get("text"), str) for part in content):
+                raise HttpError(400, f"{name}: only text parts ({{\"type\": \"text\", \"text\": "
+                                "string}) are supported", name)
+            content = "".join(part["text"] for part in content)
         if not isinstance(content, str):
-            raise HttpError(400, f"messages[{i}].content must be a string or text parts",
-                            f"messages[{i}].content")
+            raise HttpError(400, f"{name} must be a string or an array of text parts", name)
+        _check_text(content, name)
         chat.messages.add(role=m["role"], content=content)
     return chat
 
@@ -187,7 +262,8 @@ def _completion_logprobs(entries, text_offset: int) -> dict:
     for entry in entries:
         tokens.append(entry.sampled.text)
         token_logprobs.append(entry.sampled.logprob)
-        top.append({t.text: t.logprob for t in entry.top})
+        # OpenAI lists the sampled token among the top ones even when it ranks lower.
+        top.append({t.text: t.logprob for t in entry.top} | {entry.sampled.text: entry.sampled.logprob})
         offsets.append(text_offset)
         text_offset += len(entry.sampled.text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
@@ -252,6 +328,7 @@ class OpenAIApi:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model}", self.model)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/health", self.health)
@@ -281,10 +358,17 @@ class OpenAIApi:
         except web.HTTPException as error:
             if error.status < 400:
                 raise
-            return HttpError(error.status, error.reason or "error").response()
+            response = HttpError(error.status, error.reason or "error").response()
+            if "Allow" in error.headers:                # 405 says which methods there are
+                response.headers["Allow"] = error.headers["Allow"]
+            return response
+        except ConnectionError:
+            # The client went away while its body was read: nobody is left to answer.
+            log.info("http client went away", extra={"request_id": request[REQUEST_ID]})
+            return web.Response(status=400)
         except Exception:
             log.exception("http request failed", extra={"request_id": request[REQUEST_ID]})
-            return HttpError(500, f"internal error (logged with request id {request['request_id']})").response()
+            return HttpError(500, f"internal error (logged with request id {request[REQUEST_ID]})").response()
 
     @web.middleware
     async def _cors(self, request: web.Request, handler):
@@ -296,15 +380,20 @@ class OpenAIApi:
             response = await handler(request)
         if allowed:
             response.headers["Access-Control-Allow-Origin"] = origin
-            response.headers["Access-Control-Allow-Headers"] = "Authorization, Content-Type, X-Request-Id"
+            # Whatever headers the browser asks for (OpenAI's JS client sends x-stainless-*).
+            response.headers["Access-Control-Allow-Headers"] = request.headers.get(
+                "Access-Control-Request-Headers", "Authorization, Content-Type, X-Request-Id")
             response.headers["Access-Control-Allow-Methods"] = "GET, POST, OPTIONS"
             response.headers["Access-Control-Expose-Headers"] = "X-Request-Id"
+        if self.cors_origins and "*" not in self.cors_origins:
+            response.headers["Vary"] = "Origin"     # the answer depends on the Origin header
         return response
 
     @web.middleware
     async def _auth(self, request: web.Request, handler):
         if self.api_key and request.path.startswith("/v1/"):
-            if request.headers.get("Authorization", "") != f"Bearer {self.api_key}":
+            scheme, _, key = request.headers.get("Authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip(), self.api_key):
                 raise HttpError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'")
         return await handler(request)
 
@@ -341,35 +430,43 @@ class OpenAIApi:
             body = await self._body(request)
             grpc_request = generate_request(body, chat=chat, request_id=request[REQUEST_ID])
             stream = _field(body, "stream", (bool,), False)
-            include_usage = bool((_field(body, "stream_options", (dict,), {}) or {}).get("include_usage"))
+            include_usage = _field(_field(body, "stream_options", (dict,), {}), "include_usage",
+                                   (bool,), False)
         except HttpError as error:      # refused before the service saw it: count it there
             self.service.reject("invalid", request[REQUEST_ID], error.message)
             raise
         renames = {"params.": "", "text": "prompt", "token_ids.ids": "prompt", "chat.messages": "messages",
                    "chat": "messages"}
+        if chat:    # the gRPC fields that chat clients know by other names
+            extra = {"params.logprobs": "top_logprobs"}
+            if body.get("max_completion_tokens") is not None:
+                extra["params.max_tokens"] = "max_completion_tokens"
+            renames = extra | renames
         parent = tracing.extract(request.headers) if tracing.enabled() else None
-        responses = self.service.stream(grpc_request, parent)
-        try:
-            first = await anext(responses)          # errors before any output become statuses
-        except ApiError as error:
-            raise HttpError.from_api(error, renames) from None
-        except StopAsyncIteration:
-            first = None
-        meta = {"id": ("chatcmpl-" if chat else "cmpl-") + request[REQUEST_ID],
-                "created": int(time.time()), "model": self._model_name(body)}
-        want_logprobs = grpc_request.params.HasField("logprobs")
-        n = grpc_request.params.n if grpc_request.params.HasField("n") else 1
-        if not stream:
+        # aclosing: when the client goes away (its handler is cancelled) the stream is closed at
+        # once, which aborts the request on its worker or takes it out of the admission queue.
+        async with contextlib.aclosing(self.service.stream(grpc_request, parent)) as responses:
+            try:
+                first = await anext(responses)          # errors before any output become statuses
+            except ApiError as error:
+                raise HttpError.from_api(error, renames) from None
+            except StopAsyncIteration:
+                first = None
+            meta = {"id": ("chatcmpl-" if chat else "cmpl-") + request[REQUEST_ID],
+                    "created": int(time.time()), "model": self._model_name(body)}
+            want_logprobs = grpc_request.params.HasField("logprobs")
+            n = grpc_request.params.n if grpc_request.params.HasField("n") else 1
+            if stream:
+                return await self._sse(request, meta, _prepend(first, responses), chat=chat, n=n,
+                                       want_logprobs=want_logprobs, include_usage=include_usage)
             acc = Accumulator(n, chat, want_logprobs)
             try:
                 async for response in _prepend(first, responses):
                     acc.add(response)
             except ApiError as error:
                 raise HttpError.from_api(error, renames) from None
-            return web.json_response(meta | {"object": "chat.completion" if chat else "text_completion",
-                                             "choices": acc.choices(), "usage": usage_json(acc.usage)})
-        return await self._sse(request, meta, _prepend(first, responses), chat=chat, n=n,
-                               want_logprobs=want_logprobs, include_usage=include_usage)
+        return web.json_response(meta | {"object": "chat.completion" if chat else "text_completion",
+                                         "choices": acc.choices(), "usage": usage_json(acc.usage)})
 
     async def _sse(self, request: web.Request, meta: dict, responses: AsyncIterator[pb.GenerateResponse], *,
                    chat: bool, n: int, want_logprobs: bool, include_usage: bool) -> web.StreamResponse:
@@ -404,13 +501,9 @@ class OpenAIApi:
                     usage = response.usage
         except ApiError as error:
             # Headers are gone: report the error in the stream, as OpenAI servers do.
-            http = HttpError.from_api(error, {})
-            await out.write(b"data: " + json.dumps({"error": {"message": http.message, "code": http.status}}).encode()
-                            + b"\n\n")
+            await out.write(b"data: " + json.dumps(HttpError.from_api(error, {}).json()).encode() + b"\n\n")
         except ConnectionResetError:
-            # The client went away: closing the stream aborts the request on its worker.
-            await responses.aclose()
-            return out
+            return out      # the client went away: the caller closes the stream, which aborts it
         if include_usage:
             await send({"choices": [], "usage": usage_json(usage)})
         await out.write(b"data: [DONE]\n\n")
@@ -421,9 +514,14 @@ class OpenAIApi:
 
     async def models(self, request: web.Request) -> web.Response:
         served = self._served()
-        return web.json_response({"object": "list", "data": [
-            {"id": name, "object": "model", "created": 0, "owned_by": "pagedserve",
-             "max_model_len": served.max_model_len} for name in served.names]})
+        return web.json_response({"object": "list", "data": [_model_json(name, served) for name in served.names]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        served, name = self._served(), request.match_info["model"]
+        if name not in served.names:
+            raise HttpError(404, f"model {name!r} is not served here; served: {', '.join(served.names)}",
+                            "model", code="model_not_found")
+        return web.json_response(_model_json(name, served))
 
     async def tokenize(self, request: web.Request) -> web.Response:
         body = await self._body(request)
@@ -442,9 +540,7 @@ class OpenAIApi:
 
     async def detokenize(self, request: web.Request) -> web.Response:
         body = await self._body(request)
-        tokens = _field(body, "tokens", (list,), [])
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
-            raise HttpError(400, "tokens must be an array of integers", "tokens")
+        tokens = _int_list(_field(body, "tokens", (list,), []), "tokens")
         try:
             result = await self.service.detokenize(pb.DetokenizeRequest(
                 model=_field(body, "model", (str,), ""), token_ids=tokens))
@@ -462,6 +558,11 @@ class OpenAIApi:
             raise HttpError(404, "metrics are not enabled")
         return web.Response(body=self.metrics(), content_type="text/plain", charset="utf-8",
                             headers={"Cache-Control": "no-cache"})
+
+
+def _model_json(name: str, served) -> dict:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "pagedserve",
+            "max_model_len": served.max_model_len}
 
 
 async def _prepend(first, rest: AsyncIterator):

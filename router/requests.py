@@ -69,12 +69,23 @@ class PreparedRequest:
         return params
 
 
+def loggable_request_id(request_id: str) -> str:
+    """The id as logs may show it: a client's id that validation will refuse (too long, or with
+    control characters that would forge log lines) is shown escaped and cut short."""
+    if len(request_id) <= MAX_REQUEST_ID_LENGTH and request_id.isprintable():
+        return request_id
+    return repr(request_id[:64]) + ("..." if len(request_id) > 64 else "")
+
+
 def prepare_generate(request: pb.GenerateRequest, model: ServedModel) -> PreparedRequest:
     """Checks a Generate request and tokenizes its prompt; raises ApiError."""
     model.check_name(request.model)
     if len(request.request_id) > MAX_REQUEST_ID_LENGTH:
         raise invalid_argument(f"request_id has {len(request.request_id)} characters; "
                                f"at most {MAX_REQUEST_ID_LENGTH} are allowed")
+    if not request.request_id.isprintable():
+        raise invalid_argument("request_id must be printable text: it holds a control character "
+                               "(such as a newline)")
     try:
         params = sampling_params_from_proto(request.params).validate(model.vocab_size)
     except InvalidRequest as error:

@@ -146,7 +146,9 @@ class Router:
                         cors_origins=list(self.config.allowed_origins),
                         ready=lambda: bool(self.fleet.accepting()),
                         metrics=lambda: generate_latest(self.registry))
-        self._http = web.AppRunner(api.app(), access_log=None)
+        # A client that goes away cancels its handler, so its request is aborted on the worker
+        # (or leaves the admission queue) at once; aiohttp would otherwise let it run to the end.
+        self._http = web.AppRunner(api.app(), access_log=None, handler_cancellation=True)
         await self._http.setup()
         site = web.TCPSite(self._http, self.config.host, self.config.http_port)
         await site.start()

@@ -23,6 +23,7 @@ import contextlib
 import itertools
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -39,7 +40,8 @@ from router.counters import RouterCounters
 from router.errors import ApiError, invalid_argument, unavailable
 from router.fleet import Fleet
 from router.generate import GenerateRun, RunConfig
-from router.requests import PreparedRequest, ServedModel, encode_prompt, prepare_generate
+from router.requests import (PreparedRequest, ServedModel, encode_prompt, loggable_request_id,
+                             prepare_generate)
 from router.wire import find_invalid_utf8
 
 log = logging.getLogger("pagedserve.router")
@@ -72,8 +74,13 @@ def _parser(message_type: type[Message]) -> Callable[[bytes], Message | _Unparsa
     return parse
 
 
-async def _abort(context: grpc.aio.ServicerContext, error: ApiError) -> None:
-    await context.abort(error.code, error.message, trailing_metadata=error.trailing_metadata)
+async def _abort(context: grpc.aio.ServicerContext, error: ApiError, request_id: str = "") -> None:
+    """Ends the call with `error`; its "request-id" trailer names the request as the logs do
+    (when the id is ASCII, as gRPC metadata must be)."""
+    trailers = error.trailing_metadata
+    if request_id and request_id.isascii() and request_id.isprintable():
+        trailers += (("request-id", request_id),)
+    await context.abort(error.code, error.message, trailing_metadata=trailers)
 
 
 class GenerationService:
@@ -117,10 +124,14 @@ class GenerationService:
     async def generate(self, request: pb.GenerateRequest | _Unparsable,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         """The gRPC method: `stream` with its errors turned into statuses."""
+        request_id = ""
         try:
             if isinstance(request, _Unparsable):
                 self.reject("invalid", "", request.problem)
                 raise invalid_argument(request.problem)
+            # Drawn now when the client sent none, so that even a refusal names the request.
+            request.request_id = request.request_id or uuid.uuid4().hex
+            request_id = request.request_id
             parent = tracing.extract(context.invocation_metadata()) if tracing.enabled() else None
             # aclosing: if the call ends at a yield, the inner stream is closed now, not whenever
             # it is garbage-collected, so its worker-side abort and release happen at once.
@@ -128,7 +139,7 @@ class GenerationService:
                 async for response in responses:
                     yield response
         except ApiError as error:
-            await _abort(context, error)
+            await _abort(context, error, request_id)
 
     def reject(self, reason: str, request_id: str, message: str) -> None:
         """Counts and logs a request refused before admission; `reason` is one of
@@ -213,7 +224,8 @@ class GenerationService:
     async def _admit(self, prepared: PreparedRequest) -> Reservation:
         try:
             return await self._admission.reserve(
-                prepared.reserved_tokens, self._fleet.chooser(prepared.prompt_token_ids))
+                prepared.reserved_tokens, self._fleet.chooser(prepared.prompt_token_ids),
+                priority=prepared.priority)
         except Overloaded as error:
             raise ApiError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error),
                            retry_after_s=error.retry_after_s) from None
@@ -265,7 +277,7 @@ class _Observed:
 
     def __init__(self, request: pb.GenerateRequest, counters: RouterCounters) -> None:
         self.started = time.monotonic()
-        self.request_id = request.request_id  # until validation draws one when it is empty
+        self.request_id = loggable_request_id(request.request_id)
         self.first_token: float | None = None
         self.output_tokens = 0
         self.span: Span | None = None

@@ -51,8 +51,12 @@ class RouterTokenizer:
     def has_chat_template(self) -> bool:
         return bool(self.hf.chat_template)
 
+    # The *_batch calls of `tokenizers`, unlike encode/decode, let go of the GIL while they
+    # work: a prompt of megabytes takes seconds to encode, and holding the GIL that long
+    # would stall the router's event loop, and every other client with it.
+
     def encode_text(self, text: str) -> list[int]:
-        return self.hf.backend_tokenizer.encode(text, add_special_tokens=True).ids
+        return self.hf.backend_tokenizer.encode_batch([text], add_special_tokens=True)[0].ids
 
     def encode_chat(self, messages: Sequence[dict[str, str]],
                     add_generation_prompt: bool = True) -> list[int]:
@@ -66,11 +70,11 @@ class RouterTokenizer:
         except Exception as error:  # jinja errors, including the template's raise_exception()
             message = f"the chat template cannot render this chat: {error}"
             raise ChatTemplateError(message) from error
-        return self.hf.backend_tokenizer.encode(prompt, add_special_tokens=False).ids
+        return self.hf.backend_tokenizer.encode_batch([prompt], add_special_tokens=False)[0].ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self.hf.backend_tokenizer.decode(list(token_ids),
-                                                skip_special_tokens=skip_special_tokens)
+        return self.hf.backend_tokenizer.decode_batch([list(token_ids)],
+                                                      skip_special_tokens=skip_special_tokens)[0]
 
     def token_text(self, token_id: int) -> str:
         """One token decoded on its own, special tokens included (for logprobs)."""

@@ -96,7 +96,8 @@ def grpc_text(router: RouterProcess, request: pb.GenerateRequest) -> str:
 
 def post(router: RouterProcess, path: str, body, key: str | None = API_KEY, **kw) -> httpx.Response:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    return httpx.post(f"{router.url}{path}", json=body, headers=headers | kw.pop("headers", {}), timeout=60, **kw)
+    kw.setdefault("timeout", 60)
+    return httpx.post(f"{router.url}{path}", json=body, headers=headers | kw.pop("headers", {}), **kw)
 
 
 def test_models_lists_the_served_model(client, model):
@@ -175,7 +176,7 @@ def test_extra_sampling_fields_accepted(router, model):
     ("temperature", -1, 400, "temperature"), ("top_p", 1.5, 400, "top_p"), ("max_tokens", 0, 400, "max_tokens"),
     ("n", 0, 400, "n"), ("top_k", 0, 400, "top_k"), ("presence_penalty", 5, 400, "presence_penalty"),
     ("logprobs", 50, 400, "logprobs"), ("temperature", "hot", 400, "temperature"), ("prompt", "", 400, "prompt"),
-    ("model", "gpt-17", 404, None), ("stop", [1, 2], 400, "stop"),
+    ("model", "gpt-17", 404, "model"), ("stop", [1, 2], 400, "stop"),
 ])
 def test_bad_field_gets_status_and_json_error_naming_it(router, model, field, value, status, param):
     body = {"model": model, "prompt": PROMPT, "max_tokens": 4} | {field: value}
@@ -243,3 +244,100 @@ def test_no_worker_is_503():
         assert r.status_code == 503 and r.json()["error"]["message"]
     finally:
         lonely.stop()
+
+
+@pytest.mark.parametrize("field,value", [
+    ("max_tokens", 2**31), ("n", 2**40), ("priority", -2**40), ("seed", 2**64),
+    ("stop_token_ids", [2**40]), ("prompt", [2**70]),
+])
+def test_integer_too_large_for_its_field_is_400_naming_it(router, model, field, value):
+    r = post(router, "/v1/completions", {"model": model, "prompt": PROMPT, "max_tokens": 2} | {field: value})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"].startswith(field) and "out of range" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", b'{"prompt": "Hi \\ud800", "max_tokens": 2}'),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 2}'),
+])
+def test_lone_surrogate_in_text_is_400(router, path, body):
+    r = httpx.post(f"{router.url}{path}", content=body,
+                   headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+    assert r.status_code == 400 and "surrogate" in r.json()["error"]["message"], r.text
+
+
+@pytest.mark.parametrize("message,param", [
+    ({"role": "user", "content": [{"type": "text", "text": 5}]}, "messages[0].content"),
+    ({"role": "wizard", "content": "hi"}, "messages[0].role"),
+    ({"role": "user"}, "messages[0].content"),
+])
+def test_malformed_chat_message_is_400_naming_it(router, model, message, param):
+    r = post(router, "/v1/chat/completions", {"model": model, "messages": [message], "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"tool_choice": "required"}, "tool_choice"),
+])
+def test_unsupported_openai_feature_is_refused_not_ignored(router, model, extra, param):
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2} | extra
+    r = post(router, "/v1/chat/completions", body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_error_object_has_openai_types_and_string_or_null_code(router, model):
+    error = post(router, "/v1/completions", {"model": "gpt-17", "prompt": PROMPT}).json()["error"]
+    assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", "model", "model_not_found")
+    error = post(router, "/v1/completions", {"model": model, "prompt": PROMPT, "n": 0}).json()["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] is None
+
+
+def test_admission_size_error_names_no_bogus_param(router, model):
+    r = post(router, "/v1/completions", {"model": model, "prompt": PROMPT, "max_tokens": 8000, "n": 16})
+    assert r.status_code == 400 and r.json()["error"]["param"] is None, r.text
+
+
+def test_chat_errors_name_the_fields_the_client_sent(router, model):
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}]}
+    r = post(router, "/v1/chat/completions", body | {"logprobs": True, "top_logprobs": 21})
+    assert r.json()["error"]["param"] == "top_logprobs", r.text
+    r = post(router, "/v1/chat/completions", body | {"max_completion_tokens": 0})
+    assert r.json()["error"]["param"] == "max_completion_tokens", r.text
+
+
+def test_a_model_is_retrieved_by_name(client, model):
+    assert client.models.retrieve(model).id == model
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-17")
+
+
+def test_completion_top_logprobs_include_the_sampled_token(client, model):
+    choice = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=1.5, seed=5,
+                                       logprobs=1).choices[0]
+    for token, top in zip(choice.logprobs.tokens, choice.logprobs.top_logprobs):
+        assert token in top
+
+
+def test_bearer_scheme_is_case_insensitive(router, model):
+    r = post(router, "/v1/completions", {"model": model, "prompt": PROMPT, "max_tokens": 1}, key=None,
+             headers={"Authorization": f"bearer {API_KEY}"})
+    assert r.status_code == 200, r.text
+
+
+def router_gauge(router: RouterProcess, name: str) -> float:
+    for line in httpx.get(f"{router.url}/metrics").text.splitlines():
+        if line.startswith(f"pagedserve_router_{name}{{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
+def test_non_streaming_request_is_aborted_when_its_client_goes_away(router, model):
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):
+        post(router, "/v1/completions", body, timeout=1.5)
+    deadline = time.monotonic() + 20
+    while router_gauge(router, "requests_running") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert router_gauge(router, "requests_running") == 0

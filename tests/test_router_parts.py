@@ -2,8 +2,10 @@
 
 import asyncio
 import random
+import re
 import socket
 
+import grpc
 import pytest
 
 from router.admission import (Admission, AdmissionConfig, NoWorkers, Overloaded, RequestTooLarge,
@@ -11,6 +13,7 @@ from router.admission import (Admission, AdmissionConfig, NoWorkers, Overloaded,
 from router.balancer import BalancerConfig, affinity_worker, affinity_key, choose_worker
 from router.discovery import Discovery, Target, format_address, parse_target, resolve
 from router.detokenizer import IncrementalDetokenizer, StopStringMatcher, TextStream
+from router.errors import ApiError
 
 
 @pytest.fixture(scope="module")
@@ -123,10 +126,10 @@ def admission_with(*capacities, **config):
     return admission
 
 
-async def start_waiting(admission, tokens):
+async def start_waiting(admission, tokens, priority=0):
     """Starts a reserve() that must queue; returns its task once it is in the queue."""
     waiting = admission.num_waiting
-    task = asyncio.create_task(admission.reserve(tokens, first))
+    task = asyncio.create_task(admission.reserve(tokens, first, priority))
     while admission.num_waiting == waiting and not task.done():
         await asyncio.sleep(0)  # one scheduler turn: reserve() queues on its first run
     assert not task.done(), "the request should have had to wait"
@@ -190,7 +193,7 @@ def test_admission_rejects_after_max_wait():
         held = await admission.reserve(100, first)
         with pytest.raises(Overloaded) as rejected:
             await admission.reserve(50, first)
-        assert "max_wait_s=0.05" in str(rejected.value)
+        assert "queue wait limit of 0.05 s (--max-queue-wait)" in str(rejected.value)
         assert rejected.value.retry_after_s >= 1.0
         assert admission.num_waiting == 0
         held.release()
@@ -210,6 +213,80 @@ def test_admission_is_fifo_so_a_large_waiter_is_not_overtaken():
         (await large).release()
         assert (await small).tokens == 30
     asyncio.run(scenario())
+
+
+def serving_order(*priorities, cancelled=()):
+    """Queues requests with these priorities, in this order, behind a full worker that holds one
+    at a time; cancels those at the `cancelled` indices, then frees the worker request by request.
+    Returns the indices of the others in the order they were placed."""
+    async def scenario():
+        admission = admission_with(100)
+        running = await admission.reserve(100, first)
+        waiters = [await start_waiting(admission, 100, priority) for priority in priorities]
+        for index in cancelled:
+            waiters[index].cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiters[index]
+        pending = {task: index for index, task in enumerate(waiters) if index not in cancelled}
+        order = []
+        while pending:
+            running.release()
+            placed, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            assert len(placed) == 1, "only one request fits at a time"
+            task = placed.pop()
+            order.append(pending.pop(task))
+            running = task.result()
+        running.release()
+        assert_nothing_reserved(admission)
+        return order
+    return asyncio.run(scenario())
+
+
+def test_admission_serves_lower_priority_value_first_though_queued_later():
+    assert serving_order(5, 0) == [1, 0]
+
+
+def test_admission_keeps_fifo_among_equal_priorities():
+    assert serving_order(3, 3, 3) == [0, 1, 2]
+
+
+def test_admission_places_newcomer_better_than_every_waiter_at_once_when_it_fits():
+    async def scenario():
+        admission = admission_with(100, max_wait_s=0.05)  # had it queued, it would fail fast
+        held = await admission.reserve(60, first)
+        large = await start_waiting(admission, 80, priority=1)
+        urgent = await admission.reserve(30, first, priority=0)
+        assert (urgent.worker_id, urgent.tokens) == ("w0", 30)
+        assert admission.num_waiting == 1 and not large.done()
+        large.cancel()
+        urgent.release()
+        held.release()
+    asyncio.run(scenario())
+
+
+def test_admission_full_queue_refuses_even_a_better_priority_newcomer():
+    async def scenario():
+        admission = admission_with(100, max_queue_len=1)
+        held = await admission.reserve(100, first)
+        waiter = await start_waiting(admission, 50, priority=5)
+        with pytest.raises(Overloaded):
+            await admission.reserve(10, first, priority=0)
+        assert admission.num_waiting == 1 and not waiter.done()
+        waiter.cancel()
+        held.release()
+    asyncio.run(scenario())
+
+
+def test_admission_cancelling_a_middle_waiter_keeps_the_others_in_order():
+    assert serving_order(2, 0, 1, cancelled=[2]) == [1, 0]
+
+
+def test_overloaded_message_states_the_retry_after_trailer():
+    overloaded = Overloaded("3 requests are already waiting", retry_after_s=1.2)
+    error = ApiError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(overloaded),
+                     retry_after_s=overloaded.retry_after_s)  # as GenerationService._admit does
+    stated = re.search(r"retry in about (\d+) s", str(overloaded)).group(1)
+    assert stated == dict(error.trailing_metadata)["retry-after"] == "2"  # 1.2 s, rounded up
 
 
 def test_admission_cancelled_waiter_leaves_nothing_reserved():

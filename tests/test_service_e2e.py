@@ -419,6 +419,22 @@ def test_every_out_of_range_sampling_parameter_is_invalid(worker):
     expect_rejections(cases, worker)
 
 
+def test_request_id_with_a_control_character_is_invalid(worker):
+    expect_rejections([(pb.GenerateRequest(text="Hi", request_id="a\nFAKE LOG LINE"),
+                        grpc.StatusCode.INVALID_ARGUMENT, "request_id must be printable")], worker)
+
+
+def test_refusal_names_the_request_in_its_trailers(worker):
+    async def scenario():
+        async with running_router(worker("a")) as router, client(router) as stub:
+            for request_id in ("mine-42", ""):
+                call = stub.Generate(pb.GenerateRequest(text="", request_id=request_id))
+                error = await rejected(read_stream(call))
+                trailers = dict(error.trailing_metadata())
+                assert trailers["request-id"] == request_id or (not request_id and len(trailers["request-id"]) == 32)
+    asyncio.run(scenario())
+
+
 def test_unknown_model_is_not_found(worker):
     expect_rejections([(pb.GenerateRequest(model="gpt-17", text="Hi"),
                         grpc.StatusCode.NOT_FOUND, "'gpt-17' is not served")], worker)
