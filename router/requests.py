@@ -90,6 +90,10 @@ def prepare_generate(request: pb.GenerateRequest, model: ServedModel) -> Prepare
         params = sampling_params_from_proto(request.params).validate(model.vocab_size)
     except InvalidRequest as error:
         raise invalid_argument(f"params.{error}") from None
+    for i, stop in enumerate(request.params.stop):
+        if not stop:
+            raise invalid_argument(f"params.stop[{i}] is empty: a stop string needs at least one "
+                                   "character")
     if request.params.stop and model.tokenizer is None:
         raise invalid_argument(f"params.stop: the model {model.names[0]} is served without a "
                                "tokenizer, so there is no text to match stop strings in; use "

@@ -424,6 +424,11 @@ def test_request_id_with_a_control_character_is_invalid(worker):
                         grpc.StatusCode.INVALID_ARGUMENT, "request_id must be printable")], worker)
 
 
+def test_empty_stop_string_is_invalid(worker):
+    expect_rejections([(pb.GenerateRequest(text="Hi", params=pb.SamplingParameters(stop=["ok", ""])),
+                        grpc.StatusCode.INVALID_ARGUMENT, "params.stop[1] is empty")], worker)
+
+
 def test_refusal_names_the_request_in_its_trailers(worker):
     async def scenario():
         async with running_router(worker("a")) as router, client(router) as stub:
