@@ -128,16 +128,23 @@ class Router:
                                             "workers": ",".join(self.config.workers)})
 
     async def stop(self) -> None:
-        """Stops taking calls, lets running ones finish within the grace period (then cancels
-        them, which aborts them on the workers), and disconnects from the workers."""
+        """Stops taking calls, lets running ones finish within the grace period (then ends them
+        with UNAVAILABLE, which aborts them on the workers), and disconnects from the workers."""
         await self._publish_health(serving=False)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._http is not None:
-            await self._http.cleanup()
+        # Both servers stop taking calls at once; running streams get the grace period, then
+        # end with UNAVAILABLE saying why (end_running). The servers' own deadlines come later,
+        # for whatever is left after that.
+        grace = self.config.shutdown_grace_s
+        stopping = []
         if self._server is not None:
-            await self._server.stop(self.config.shutdown_grace_s)
+            stopping.append(asyncio.create_task(self._server.stop(grace + 5)))
+        if self._http is not None:
+            stopping.append(asyncio.create_task(self._http.cleanup()))
+        await self.service.end_running(grace)
+        await asyncio.gather(*stopping)
         await self.fleet.close()
         log.info("router stopped", extra=self.counters.snapshot())
 
@@ -148,7 +155,8 @@ class Router:
                         metrics=lambda: generate_latest(self.registry))
         # A client that goes away cancels its handler, so its request is aborted on the worker
         # (or leaves the admission queue) at once; aiohttp would otherwise let it run to the end.
-        self._http = web.AppRunner(api.app(), access_log=None, handler_cancellation=True)
+        self._http = web.AppRunner(api.app(), access_log=None, handler_cancellation=True,
+                                   shutdown_timeout=self.config.shutdown_grace_s + 5)
         await self._http.setup()
         site = web.TCPSite(self._http, self.config.host, self.config.http_port)
         await site.start()

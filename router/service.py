@@ -95,6 +95,8 @@ class GenerationService:
         self._served_names = tuple(served_model_names)
         self._run_config = run_config
         self._dispatch_ids = itertools.count()
+        self._running: set[asyncio.Task] = set()   # the tasks streaming a Generate (gRPC or HTTP)
+        self._closing = False
 
     def rpc_handler(self) -> grpc.GenericRpcHandler:
         """The service's methods with their lenient deserializers, for add_generic_rpc_handlers."""
@@ -140,6 +142,31 @@ class GenerationService:
                     yield response
         except ApiError as error:
             await _abort(context, error, request_id)
+        except asyncio.CancelledError:
+            if (error := self._shutting_down()) is None:
+                raise
+            await _abort(context, error, request_id)
+
+    async def end_running(self, grace_s: float) -> None:
+        """On shutdown: lets running Generate streams finish within `grace_s`, then ends the
+        rest with UNAVAILABLE ("the router is shutting down"), which also aborts them on their
+        workers; the client hears why instead of a bare CANCELLED, and the request is counted
+        as aborted, not as cancelled by its client."""
+        if self._running:
+            await asyncio.wait(set(self._running), timeout=grace_s)
+        self._closing = True
+        for task in self._running:
+            task.cancel()
+        if self._running:
+            await asyncio.wait(set(self._running), timeout=5)
+
+    def _shutting_down(self) -> ApiError | None:
+        """The error a stream ends with when end_running cancelled it (None: it was not)."""
+        if not self._closing:
+            return None
+        asyncio.current_task().uncancel()
+        return unavailable("the router is shutting down; send the request again (another router "
+                           "replica, or this one once restarted, will serve it)")
 
     def reject(self, reason: str, request_id: str, message: str) -> None:
         """Counts and logs a request refused before admission; `reason` is one of
@@ -153,6 +180,17 @@ class GenerationService:
         its responses and raises ApiError. Closing the stream early (the client went away or its
         deadline passed) aborts the request on the workers; the reservation is always released.
         `parent`: the client's trace context (from its gRPC metadata or HTTP headers)."""
+        task = asyncio.current_task()
+        self._running.add(task)
+        try:
+            async with contextlib.aclosing(self._stream(request, parent)) as responses:
+                async for response in responses:
+                    yield response
+        finally:
+            self._running.discard(task)
+
+    async def _stream(self, request: pb.GenerateRequest, parent: Context | None
+                      ) -> AsyncIterator[pb.GenerateResponse]:
         observed = _Observed(request, self._counters)
         if tracing.enabled():
             observed.start_span(parent, self._model_label(request))
@@ -193,7 +231,11 @@ class GenerationService:
             if error.code == grpc.StatusCode.INTERNAL:
                 level = logging.ERROR
             raise
-        except (asyncio.CancelledError, GeneratorExit):
+        except (asyncio.CancelledError, GeneratorExit) as stopped:
+            if isinstance(stopped, asyncio.CancelledError) and (error := self._shutting_down()):
+                reason = "abort"
+                outcome = error_text = f"failed: {error.code.name}: {error.message}"
+                raise error from None
             reason = "cancelled"
             outcome = "cancelled (the client went away or its deadline passed)"
             raise

@@ -321,6 +321,26 @@ def test_deadline_frees_the_workers_blocks(worker):
     asyncio.run(scenario())
 
 
+def test_router_shutdown_ends_running_streams_with_unavailable_saying_why(worker):
+    async def scenario():
+        router = Router(RouterConfig(workers=[worker("a").address], host="127.0.0.1", port=0,
+                                     fleet=FleetConfig(backoff_initial_s=0.2), shutdown_grace_s=0.5))
+        await router.start()
+        await router.fleet.wait_for(lambda fleet: len(fleet.accepting()) == 1, 60)
+        async with client(router) as stub:
+            stream = Stream()
+            request = greedy_request(PROMPTS[0], 2000, ignore_eos=True)
+            request.request_id = "bye"
+            call = stub.Generate(request)
+            reading = asyncio.create_task(read_stream(call, stream))
+            await eventually(lambda: len(stream.token_ids) >= 2, 30, "tokens to flow")
+            await router.stop()
+            error = await rejected(reading)
+        assert error.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in error.details()
+        assert dict(error.trailing_metadata())["request-id"] == "bye"
+    asyncio.run(scenario())
+
+
 # ------------------------------------------------------------------------------ overload
 
 def test_overload_is_refused_promptly_with_a_retry_hint(worker):
