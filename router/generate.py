@@ -167,7 +167,7 @@ class GenerateRun:
         piece = choice.text.push(tokens)
         out.text += piece.text
         if piece.stopped:  # a stop string: the worker would go on, so end it here
-            choice.worker.abort([choice.dispatch_id])
+            choice.worker.abort([choice.dispatch_id], stop_string=True)
             self._finish(choice, out, pb.FINISH_REASON_STOP)
         elif delta.finish_reason != worker_pb2.FINISH_REASON_NONE:
             choice.worker.forget(choice.dispatch_id)

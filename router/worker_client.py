@@ -147,14 +147,15 @@ class WorkerClient:
         """Stops delivering messages about a dispatch (the worker may still hold it)."""
         self._dispatches.pop(dispatch_id, None)
 
-    def abort(self, dispatch_ids: Sequence[str]) -> None:
+    def abort(self, dispatch_ids: Sequence[str], stop_string: bool = False) -> None:
         """Forgets dispatches and asks the worker to end them (ids it no longer knows are
-        ignored by the worker, so aborting one that just finished is harmless)."""
+        ignored by the worker, so aborting one that just finished is harmless); `stop_string`:
+        they end because their text hit a stop string."""
         for dispatch_id in dispatch_ids:
             self.forget(dispatch_id)
         if self.alive and dispatch_ids:
             self._outbox.put_nowait(worker_pb2.RouterMessage(
-                abort=worker_pb2.Abort(request_ids=dispatch_ids)))
+                abort=worker_pb2.Abort(request_ids=dispatch_ids, stop_string=stop_string)))
 
     def drain(self) -> None:
         """Asks the worker to hand back every request and admit no more."""

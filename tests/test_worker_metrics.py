@@ -90,8 +90,10 @@ def test_counters_match_the_workload(worker):
     assert m[("vllm:cache_config_info", (("block_size", "16"), ("num_gpu_blocks", "128")))] == 1
 
 
-def test_running_and_aborted_requests_are_seen(worker):
-    """While a long request runs the gauges show it; aborting it counts as an abort."""
+@pytest.mark.parametrize("stop_string,reason", [(False, "abort"), (True, "stop")])
+def test_running_requests_are_seen_and_an_abort_counts_by_its_cause(worker, stop_string, reason):
+    """While a long request runs the gauges show it; aborting it counts as an abort, unless
+    the router ended it for a stop string, which counts as a stop."""
     before = scrape(worker.metrics_port)
     seen: dict[str, float] = {}
 
@@ -101,14 +103,15 @@ def test_running_and_aborted_requests_are_seen(worker):
         m = poll(worker.metrics_port, lambda m: m[("pagedserve_worker_requests_running", ())] == 1)
         seen.update(running=m[("pagedserve_worker_requests_running", ())],
                     kv=m[("vllm:kv_cache_usage_perc", ())])
-        return [worker_pb2.RouterMessage(abort=worker_pb2.Abort(request_ids=["long"]))]
+        return [worker_pb2.RouterMessage(abort=worker_pb2.Abort(request_ids=["long"], stop_string=stop_string))]
 
     results = asyncio.run(run_requests(worker.address, [submit("long", PROMPT_A, 200)],
                                        on_message=abort_once_running))
     assert results["long"].finish_reason == worker_pb2.FINISH_REASON_ABORT
     assert seen["running"] == 1 and seen["kv"] > 0
     after = poll(worker.metrics_port, lambda m: m[("pagedserve_worker_kv_cache_usage_ratio", ())] == 0)
-    finished = ("pagedserve_worker_requests_finished_total", (("reason", "abort"),))
+    finished = ("pagedserve_worker_requests_finished_total", (("reason", reason),))
     assert after[finished] - before[finished] == 1
     e2e = ("pagedserve_worker_e2e_request_latency_seconds_count", ())
-    assert after[e2e] == before[e2e]     # only completed requests have an end-to-end latency
+    # Only completed requests (a stop string's among them) have an end-to-end latency.
+    assert after[e2e] - before[e2e] == (reason == "stop")

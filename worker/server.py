@@ -284,11 +284,11 @@ class EngineLoop:
                                   kind=SpanKind.SERVER, attributes=attributes,
                                   start_time_ns=tracing.span_time_ns(received))
 
-    def abort(self, session: Session, request_ids) -> None:
+    def abort(self, session: Session, request_ids, stop_string: bool = False) -> None:
         for request_id in request_ids:
             key = session.key(request_id)
             if self.engine.abort(key):
-                self._forget(key, "abort")
+                self._forget(key, "stop" if stop_string else "abort")
                 session.send(pb.WorkerMessage(step=pb.StepOutput(
                     step_index=self.engine.num_steps,
                     deltas=[pb.RequestDelta(request_id=request_id, finish_reason=pb.FINISH_REASON_ABORT)])))
@@ -385,7 +385,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 elif kind == "submit":
                     loop.call(lambda m=msg.submit, t=time.monotonic(): loop.submit(session, m, t))
                 elif kind == "abort":
-                    loop.call(lambda ids=list(msg.abort.request_ids): loop.abort(session, ids))
+                    loop.call(lambda ids=list(msg.abort.request_ids), stop=msg.abort.stop_string:
+                              loop.abort(session, ids, stop))
                 elif kind == "preempt":
                     mode = MODE_NAMES.get(msg.preempt.mode)
                     loop.call(lambda r=msg.preempt.request_id: loop.preempt(session, r, mode))
