@@ -10,6 +10,7 @@ request's span continues the trace of its W3C `traceparent` header.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import json
@@ -198,7 +199,12 @@ def _refuse_unsupported(body: dict, *, chat: bool) -> None:
                         " is not supported: only text", "response_format")
 
 
-def generate_request(body: dict, *, chat: bool, request_id: str) -> pb.GenerateRequest:
+MAX_PROMPTS = 256     # prompts in one completions request (each is admitted as one request)
+
+
+def generate_requests(body: dict, *, chat: bool, request_id: str) -> list[pb.GenerateRequest]:
+    """The gRPC requests of one HTTP request: one, or one per prompt of a completions batch
+    (ids `<request_id>-<i>`)."""
     _field(body, "user", (str,))       # accepted for OpenAI clients; type-checked, unused
     request = pb.GenerateRequest(model=_field(body, "model", (str,), ""), request_id=request_id,
                                  params=sampling_parameters(body, chat=chat),
@@ -209,21 +215,45 @@ def generate_request(body: dict, *, chat: bool, request_id: str) -> pb.GenerateR
         request.skip_special_tokens = skip
     if chat:
         request.chat.CopyFrom(chat_messages(body))
-        return request
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]                       # a batch of one
-    if isinstance(prompt, str):
-        _check_text(prompt, "prompt")
-        request.text = prompt
-    elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        request.token_ids.ids.extend(_int_list(prompt, "prompt"))
-    elif prompt is None:
+        return [request]
+    prompts = completion_prompts(body.get("prompt"))
+    requests = []
+    for i, prompt in enumerate(prompts):
+        one = pb.GenerateRequest()
+        one.CopyFrom(request)
+        if len(prompts) > 1:
+            one.request_id = f"{request_id}-{i}"
+        if isinstance(prompt, str):
+            one.text = prompt
+        else:
+            one.token_ids.ids.extend(prompt)
+        requests.append(one)
+    return requests
+
+
+def completion_prompts(prompt) -> list[str | list[int]]:
+    """A completions `prompt`: a string, token ids, or an array of either (a batch)."""
+    def is_ids(value) -> bool:
+        return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+    if prompt is None:
         raise HttpError(400, "prompt is required", "prompt")
+    if isinstance(prompt, str) or (is_ids(prompt) and prompt):
+        batch, names = [prompt], ["prompt"]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or is_ids(p) for p in prompt):
+        batch, names = prompt, [f"prompt[{i}]" for i in range(len(prompt))]
     else:
-        raise HttpError(400, "prompt must be a string, an array of token ids, or an array "
-                        "holding one of those (batches of several prompts are not supported)", "prompt")
-    return request
+        raise HttpError(400, "prompt must be a string, an array of token ids, or an array of "
+                        "strings or of token-id arrays", "prompt")
+    if len(batch) > MAX_PROMPTS:
+        raise HttpError(400, f"prompt holds {len(batch)} prompts; at most {MAX_PROMPTS} are allowed "
+                        "in one request", "prompt")
+    for one, name in zip(batch, names):
+        if isinstance(one, str):
+            _check_text(one, name)
+        else:
+            _int_list(one, name)
+    return batch
 
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -428,7 +458,7 @@ class OpenAIApi:
     async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         try:
             body = await self._body(request)
-            grpc_request = generate_request(body, chat=chat, request_id=request[REQUEST_ID])
+            grpc_requests = generate_requests(body, chat=chat, request_id=request[REQUEST_ID])
             stream = _field(body, "stream", (bool,), False)
             include_usage = _field(_field(body, "stream_options", (dict,), {}), "include_usage",
                                    (bool,), False)
@@ -443,9 +473,12 @@ class OpenAIApi:
                 extra["params.max_tokens"] = "max_completion_tokens"
             renames = extra | renames
         parent = tracing.extract(request.headers) if tracing.enabled() else None
+        params = grpc_requests[0].params
+        n = params.n if params.HasField("n") else 1
+        streams = [self.service.stream(r, parent) for r in grpc_requests]
         # aclosing: when the client goes away (its handler is cancelled) the stream is closed at
         # once, which aborts the request on its worker or takes it out of the admission queue.
-        async with contextlib.aclosing(self.service.stream(grpc_request, parent)) as responses:
+        async with contextlib.aclosing(streams[0] if len(streams) == 1 else _merged(streams, n)) as responses:
             try:
                 first = await anext(responses)          # errors before any output become statuses
             except ApiError as error:
@@ -454,8 +487,8 @@ class OpenAIApi:
                 first = None
             meta = {"id": ("chatcmpl-" if chat else "cmpl-") + request[REQUEST_ID],
                     "created": int(time.time()), "model": self._model_name(body)}
-            want_logprobs = grpc_request.params.HasField("logprobs")
-            n = grpc_request.params.n if grpc_request.params.HasField("n") else 1
+            want_logprobs = params.HasField("logprobs")
+            n *= len(streams)
             if stream:
                 return await self._sse(request, meta, _prepend(first, responses), chat=chat, n=n,
                                        want_logprobs=want_logprobs, include_usage=include_usage)
@@ -563,6 +596,50 @@ class OpenAIApi:
 def _model_json(name: str, served) -> dict:
     return {"id": name, "object": "model", "created": 0, "owned_by": "pagedserve",
             "max_model_len": served.max_model_len}
+
+
+async def _merged(streams: list[AsyncIterator[pb.GenerateResponse]], n: int
+                  ) -> AsyncIterator[pb.GenerateResponse]:
+    """The streams of a batch's prompts as one, in arrival order: choice i of prompt p becomes
+    choice p * n + i, and one last message carries the usage summed over the prompts. The
+    first error of any prompt ends it (closing the others, which aborts them)."""
+    arrivals: asyncio.Queue = asyncio.Queue()
+
+    async def pump(prompt: int, responses: AsyncIterator[pb.GenerateResponse]) -> None:
+        try:
+            async for response in responses:
+                arrivals.put_nowait((prompt, response))
+        except Exception as error:
+            arrivals.put_nowait((prompt, error))
+        else:
+            arrivals.put_nowait((prompt, None))
+
+    pumps = [asyncio.create_task(pump(p, s)) for p, s in enumerate(streams)]
+    usage = [pb.Usage() for _ in streams]
+    try:
+        running = len(streams)
+        while running:
+            prompt, response = await arrivals.get()
+            if response is None:            # that prompt's stream has ended
+                running -= 1
+                continue
+            if isinstance(response, Exception):
+                raise response
+            for choice in response.choices:
+                choice.index += prompt * n
+            if response.HasField("usage"):
+                usage[prompt] = response.usage
+                response.ClearField("usage")
+            if response.choices:
+                yield response
+        yield pb.GenerateResponse(usage=pb.Usage(
+            prompt_tokens=sum(u.prompt_tokens for u in usage),
+            completion_tokens=sum(u.completion_tokens for u in usage),
+            total_tokens=sum(u.total_tokens for u in usage)))
+    finally:
+        for task in pumps:
+            task.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
 
 
 async def _prepend(first, rest: AsyncIterator):

@@ -248,7 +248,7 @@ def test_no_worker_is_503():
 
 @pytest.mark.parametrize("field,value", [
     ("max_tokens", 2**31), ("n", 2**40), ("priority", -2**40), ("seed", 2**64),
-    ("stop_token_ids", [2**40]), ("prompt", [2**70]),
+    ("stop_token_ids", [2**40]), ("prompt", [2**70]), ("prompt", ["Hi", [5, 2**40]]),
 ])
 def test_integer_too_large_for_its_field_is_400_naming_it(router, model, field, value):
     r = post(router, "/v1/completions", {"model": model, "prompt": PROMPT, "max_tokens": 2} | {field: value})
@@ -341,3 +341,26 @@ def test_non_streaming_request_is_aborted_when_its_client_goes_away(router, mode
     while router_gauge(router, "requests_running") and time.monotonic() < deadline:
         time.sleep(0.2)
     assert router_gauge(router, "requests_running") == 0
+
+
+def test_a_batch_of_prompts_gives_each_prompt_its_choices_in_order(client, model):
+    prompts = [PROMPT, "Once upon a time", [504, 3458, 282]]
+    batch = client.completions.create(model=model, prompt=prompts, max_tokens=4, temperature=0, n=2)
+    assert [c.index for c in batch.choices] == list(range(6))
+    for i, prompt in enumerate(prompts):
+        alone = client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0)
+        assert [c.text for c in batch.choices[2 * i:2 * i + 2]] == [alone.choices[0].text] * 2
+    assert batch.usage.completion_tokens == 6 * 4
+
+
+def test_a_streamed_batch_equals_the_unstreamed_one(client, model):
+    prompts = [PROMPT, "Once upon a time"]
+    whole = client.completions.create(model=model, prompt=prompts, max_tokens=4, temperature=0)
+    texts = ["", ""]
+    usage = None
+    for chunk in client.completions.create(model=model, prompt=prompts, max_tokens=4, temperature=0,
+                                           stream=True, stream_options={"include_usage": True}):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+        usage = chunk.usage or usage
+    assert texts == [c.text for c in whole.choices] and usage.completion_tokens == 8
