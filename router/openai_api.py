@@ -106,8 +106,8 @@ def _field(body: dict, name: str, kinds: tuple[type, ...], default: Any = None,
 
 def _check_int(value: int, name: str, limits: tuple[int, int] = INT32) -> None:
     if not limits[0] <= value <= limits[1]:
-        raise HttpError(400, f"{name}={value} is out of range: must be an integer in "
-                        f"[{limits[0]}, {limits[1]}]", name)
+        what = "a 32-bit integer" if limits == INT32 else f"an integer in [{limits[0]}, {limits[1]}]"
+        raise HttpError(400, f"{name}={value} is out of range: the field holds {what}", name)
 
 
 def _int_list(values: list, name: str) -> list[int]:
@@ -354,7 +354,8 @@ class OpenAIApi:
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY_BYTES,
-                              middlewares=[self._request_id, self._errors, self._cors, self._auth])
+                              middlewares=[self._request_id, self._errors, self._preflight, self._auth])
+        app.on_response_prepare.append(self._cors)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
@@ -370,9 +371,13 @@ class OpenAIApi:
     @web.middleware
     async def _request_id(self, request: web.Request, handler):
         request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
-        request[REQUEST_ID] = request_id
-        response = await handler(request)
-        response.headers["X-Request-Id"] = request_id
+        if not (request_id.isascii() and request_id.isprintable()):
+            request[REQUEST_ID] = uuid.uuid4().hex
+            response = HttpError(400, "X-Request-Id must be printable ASCII text", "X-Request-Id").response()
+        else:
+            request[REQUEST_ID] = request_id
+            response = await handler(request)
+        response.headers["X-Request-Id"] = request[REQUEST_ID]
         return response
 
     @web.middleware
@@ -401,15 +406,21 @@ class OpenAIApi:
             return HttpError(500, f"internal error (logged with request id {request[REQUEST_ID]})").response()
 
     @web.middleware
-    async def _cors(self, request: web.Request, handler):
+    async def _preflight(self, request: web.Request, handler):
+        """Answers a CORS preflight from an allowed origin (its headers come from _cors)."""
+        if request.method == "OPTIONS" and self._cors_allowed(request):
+            return web.Response(status=204)
+        return await handler(request)
+
+    def _cors_allowed(self, request: web.Request) -> bool:
         origin = request.headers.get("Origin")
-        allowed = origin and ("*" in self.cors_origins or origin in self.cors_origins)
-        if request.method == "OPTIONS" and allowed:
-            response = web.Response(status=204)
-        else:
-            response = await handler(request)
-        if allowed:
-            response.headers["Access-Control-Allow-Origin"] = origin
+        return bool(origin) and ("*" in self.cors_origins or origin in self.cors_origins)
+
+    async def _cors(self, request: web.Request, response: web.StreamResponse) -> None:
+        """CORS headers on every response as it is prepared: errors and event streams too,
+        whose headers are sent before a middleware could see them."""
+        if self._cors_allowed(request):
+            response.headers["Access-Control-Allow-Origin"] = request.headers["Origin"]
             # Whatever headers the browser asks for (OpenAI's JS client sends x-stainless-*).
             response.headers["Access-Control-Allow-Headers"] = request.headers.get(
                 "Access-Control-Request-Headers", "Authorization, Content-Type, X-Request-Id")
@@ -417,13 +428,13 @@ class OpenAIApi:
             response.headers["Access-Control-Expose-Headers"] = "X-Request-Id"
         if self.cors_origins and "*" not in self.cors_origins:
             response.headers["Vary"] = "Origin"     # the answer depends on the Origin header
-        return response
 
     @web.middleware
     async def _auth(self, request: web.Request, handler):
         if self.api_key and request.path.startswith("/v1/"):
             scheme, _, key = request.headers.get("Authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip(), self.api_key):
+            if scheme.lower() != "bearer" or not hmac.compare_digest(
+                    key.strip().encode(errors="surrogateescape"), self.api_key.encode()):
                 raise HttpError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'")
         return await handler(request)
 
@@ -434,6 +445,8 @@ class OpenAIApi:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
             raise HttpError(400, f"the body is not valid JSON: {error}") from None
+        except RecursionError:
+            raise HttpError(400, "the body is not valid JSON here: it is nested too deeply") from None
         if not isinstance(body, dict):
             raise HttpError(400, "the body must be a JSON object")
         return body
@@ -609,6 +622,8 @@ async def _merged(streams: list[AsyncIterator[pb.GenerateResponse]], n: int
         try:
             async for response in responses:
                 arrivals.put_nowait((prompt, response))
+        except ApiError as error:
+            arrivals.put_nowait((prompt, _naming_prompt(error, prompt)))
         except Exception as error:
             arrivals.put_nowait((prompt, error))
         else:
@@ -640,6 +655,14 @@ async def _merged(streams: list[AsyncIterator[pb.GenerateResponse]], n: int
         for task in pumps:
             task.cancel()
         await asyncio.gather(*pumps, return_exceptions=True)
+
+
+def _naming_prompt(error: ApiError, prompt: int) -> ApiError:
+    """An error about one prompt of a batch, naming it as `prompt[i]`."""
+    for field in ("text", "token_ids.ids"):
+        if error.message.startswith(field):
+            return ApiError(error.code, f"prompt[{prompt}]{error.message[len(field):]}", error.retry_after_s)
+    return error
 
 
 async def _prepend(first, rest: AsyncIterator):

@@ -40,8 +40,8 @@ from router.counters import RouterCounters
 from router.errors import ApiError, invalid_argument, unavailable
 from router.fleet import Fleet
 from router.generate import GenerateRun, RunConfig
-from router.requests import (PreparedRequest, ServedModel, encode_prompt, loggable_request_id,
-                             prepare_generate)
+from router.requests import (MAX_REQUEST_ID_LENGTH, PreparedRequest, ServedModel, encode_prompt,
+                             loggable_request_id, prepare_generate)
 from router.wire import find_invalid_utf8
 
 log = logging.getLogger("pagedserve.router")
@@ -78,7 +78,8 @@ async def _abort(context: grpc.aio.ServicerContext, error: ApiError, request_id:
     """Ends the call with `error`; its "request-id" trailer names the request as the logs do
     (when the id is ASCII, as gRPC metadata must be)."""
     trailers = error.trailing_metadata
-    if request_id and request_id.isascii() and request_id.isprintable():
+    if (request_id and len(request_id) <= MAX_REQUEST_ID_LENGTH and request_id.isascii()
+            and request_id.isprintable()):     # an id refused as too long is not sent back
         trailers += (("request-id", request_id),)
     await context.abort(error.code, error.message, trailing_metadata=trailers)
 

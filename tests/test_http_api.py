@@ -364,3 +364,38 @@ def test_a_streamed_batch_equals_the_unstreamed_one(client, model):
             texts[c.index] += c.text
         usage = chunk.usage or usage
     assert texts == [c.text for c in whole.choices] and usage.completion_tokens == 8
+
+
+def test_an_error_about_one_prompt_of_a_batch_names_it(router, model):
+    r = post(router, "/v1/completions", {"model": model, "prompt": ["Hi", "x " * 9000], "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt[1]", r.text
+
+
+def test_cors_headers_reach_errors_and_event_streams(worker):
+    browser = RouterProcess([worker.address], "--allowed-origins", "http://ok.example")
+    try:
+        origin = {"Origin": "http://ok.example"}
+        error = httpx.post(f"{browser.url}/v1/completions", json={"prompt": ""}, headers=origin)
+        assert error.status_code == 400 and error.headers["Access-Control-Allow-Origin"] == "http://ok.example"
+        body = {"prompt": PROMPT, "max_tokens": 2, "stream": True}
+        with httpx.stream("POST", f"{browser.url}/v1/completions", json=body, headers=origin) as events:
+            assert events.headers["Access-Control-Allow-Origin"] == "http://ok.example"
+            assert events.headers["Vary"] == "Origin"
+    finally:
+        browser.stop()
+
+
+@pytest.mark.parametrize("headers,status", [
+    ({"Authorization": "Bearer k\xc3\xa9y".encode("latin-1")}, 401), ({"X-Request-Id": b"bad\xff"}, 400),
+])
+def test_odd_header_bytes_get_a_client_error(router, model, headers, status):
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 1}
+    auth = {} if "Authorization" in headers else {"Authorization": f"Bearer {API_KEY}"}
+    r = httpx.post(f"{router.url}/v1/completions", json=body, headers=auth | headers, timeout=60)
+    assert r.status_code == status and r.json()["error"]["message"], r.text
+
+
+def test_deeply_nested_json_is_400(router):
+    r = httpx.post(f"{router.url}/v1/completions", content=b"[" * 100_000 + b"]" * 100_000,
+                   headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+    assert r.status_code == 400 and "nested" in r.json()["error"]["message"], r.text

@@ -439,9 +439,11 @@ def test_every_out_of_range_sampling_parameter_is_invalid(worker):
     expect_rejections(cases, worker)
 
 
-def test_request_id_with_a_control_character_is_invalid(worker):
+def test_request_id_with_a_control_character_or_too_long_is_invalid(worker):
     expect_rejections([(pb.GenerateRequest(text="Hi", request_id="a\nFAKE LOG LINE"),
-                        grpc.StatusCode.INVALID_ARGUMENT, "request_id must be printable")], worker)
+                        grpc.StatusCode.INVALID_ARGUMENT, "request_id must be printable"),
+                       (pb.GenerateRequest(text="Hi", request_id="x" * 20000),
+                        grpc.StatusCode.INVALID_ARGUMENT, "request_id has 20000 characters")], worker)
 
 
 def test_empty_stop_string_is_invalid(worker):
