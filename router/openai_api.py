@@ -24,6 +24,7 @@ from typing import Any
 
 import grpc
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from common import tracing
 from common.pb import generation_pb2 as pb
@@ -344,6 +345,22 @@ def usage_json(usage: pb.Usage | None) -> dict:
 
 # ------------------------------------------------------------------ the server
 
+class _MalformedHttpIsInfo(logging.Filter):
+    """aiohttp logs a client's malformed HTTP (a control byte in a header, say) as an ERROR
+    with a traceback, though it already answered 400 and the fault is the client's: one INFO
+    line instead, so ERROR stays a sign of a server problem."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, HttpProcessingError):
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            record.msg, record.args = "malformed HTTP request refused: %s", (error.message,)
+            record.exc_info = record.exc_text = None
+        return True
+
+
+_MALFORMED_HTTP_IS_INFO = _MalformedHttpIsInfo()
+
 class OpenAIApi:
     def __init__(self, service, *, api_key: str | None = None, cors_origins: list[str] | None = None,
                  metrics: Callable[[], bytes] | None = None, ready: Callable[[], bool] = lambda: True):
@@ -356,6 +373,9 @@ class OpenAIApi:
         app = web.Application(client_max_size=MAX_BODY_BYTES,
                               middlewares=[self._request_id, self._errors, self._preflight, self._auth])
         app.on_response_prepare.append(self._cors)
+        server_log = logging.getLogger("aiohttp.server")
+        if _MALFORMED_HTTP_IS_INFO not in server_log.filters:
+            server_log.addFilter(_MALFORMED_HTTP_IS_INFO)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)

@@ -399,3 +399,12 @@ def test_deeply_nested_json_is_400(router):
     r = httpx.post(f"{router.url}/v1/completions", content=b"[" * 100_000 + b"]" * 100_000,
                    headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
     assert r.status_code == 400 and "nested" in r.json()["error"]["message"], r.text
+
+
+def test_malformed_http_is_a_400_without_an_error_in_the_log(router):
+    import socket
+    with socket.create_connection(("127.0.0.1", router.http_port)) as raw:
+        raw.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Request-Id: a\x01b\r\n\r\n")
+        assert raw.recv(100).split(b" ")[1] == b"400"
+    assert httpx.get(f"{router.url}/health").status_code == 200
+    assert "malformed HTTP request refused" in router.log() and "ERROR aiohttp" not in router.log()
