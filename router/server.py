@@ -26,12 +26,14 @@ from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from google.protobuf import descriptor_pb2, descriptor_pool
+from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 
 from common.grpc_server import create_server, listen
+from common.pb import generation_pb2
 from common.metrics import RouterMetrics, serve_metrics
 from router.admission import Admission, AdmissionConfig
 from router.counters import RouterCounters
@@ -47,6 +49,18 @@ log = logging.getLogger("pagedserve.router")
 # of a million tokens is 4-6 MB of text or at most 5 MB of token ids, so 8 MiB admits every
 # prompt a model can take and refuses the mistakes before they cost memory.
 MAX_REQUEST_BYTES = 8 * 2**20
+
+
+def _public_pool() -> descriptor_pool.DescriptorPool:
+    """What reflection describes: the public API, health and reflection. Not the default pool,
+    which also holds the router<->worker protocol the router speaks as a client: that one is
+    internal, and describing it on the public port would invite clients to it."""
+    pool = descriptor_pool.DescriptorPool()
+    for file in (generation_pb2.DESCRIPTOR, health_pb2.DESCRIPTOR, reflection_pb2.DESCRIPTOR):
+        proto = descriptor_pb2.FileDescriptorProto()
+        file.CopyToProto(proto)
+        pool.Add(proto)
+    return pool
 
 
 @dataclass(frozen=True)
@@ -110,7 +124,7 @@ class Router:
         server.add_generic_rpc_handlers((self.service.rpc_handler(),))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server, pool=_public_pool())
         self.port = listen(server, self.config.host, self.config.port)
         await self._publish_health(serving=False)
         await server.start()

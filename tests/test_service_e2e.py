@@ -462,6 +462,25 @@ def test_refusal_names_the_request_in_its_trailers(worker):
     asyncio.run(scenario())
 
 
+def test_reflection_describes_the_public_api_only(worker):
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    async def scenario():
+        async with running_router(worker("a")) as router, client(router):
+            async with grpc.aio.insecure_channel(router.address) as channel:
+                stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+
+                async def ask(symbol: str) -> reflection_pb2.ServerReflectionResponse:
+                    call = stub.ServerReflectionInfo()
+                    await call.write(reflection_pb2.ServerReflectionRequest(file_containing_symbol=symbol))
+                    await call.done_writing()
+                    return [response async for response in call][0]
+                return await ask("pagedserve.v1.Generation"), await ask("pagedserve.worker.v1.Worker")
+    public, internal = asyncio.run(scenario())
+    assert public.HasField("file_descriptor_response")
+    assert internal.error_response.error_code == grpc.StatusCode.NOT_FOUND.value[0]
+
+
 def test_unknown_model_is_not_found(worker):
     expect_rejections([(pb.GenerateRequest(model="gpt-17", text="Hi"),
                         grpc.StatusCode.NOT_FOUND, "'gpt-17' is not served")], worker)
