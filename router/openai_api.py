@@ -359,7 +359,8 @@ class _MalformedHttpIsInfo(logging.Filter):
         return True
 
 
-_MALFORMED_HTTP_IS_INFO = _MalformedHttpIsInfo()
+logging.getLogger("aiohttp.server").addFilter(_MalformedHttpIsInfo())
+
 
 class OpenAIApi:
     def __init__(self, service, *, api_key: str | None = None, cors_origins: list[str] | None = None,
@@ -373,9 +374,6 @@ class OpenAIApi:
         app = web.Application(client_max_size=MAX_BODY_BYTES,
                               middlewares=[self._request_id, self._errors, self._preflight, self._auth])
         app.on_response_prepare.append(self._cors)
-        server_log = logging.getLogger("aiohttp.server")
-        if _MALFORMED_HTTP_IS_INFO not in server_log.filters:
-            server_log.addFilter(_MALFORMED_HTTP_IS_INFO)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)

@@ -7,7 +7,6 @@ client can fix its request without reading the server's logs.
 from __future__ import annotations
 
 import random
-import uuid
 from dataclasses import dataclass
 
 import grpc
@@ -69,10 +68,20 @@ class PreparedRequest:
         return params
 
 
+def request_id_problem(request_id: str) -> str | None:
+    """Why a client's request id is refused, or None when it is fine."""
+    if len(request_id) > MAX_REQUEST_ID_LENGTH:
+        return (f"request_id has {len(request_id)} characters; at most {MAX_REQUEST_ID_LENGTH} "
+                "are allowed")
+    if not request_id.isprintable():
+        return "request_id must be printable text: it holds a control character (such as a newline)"
+    return None
+
+
 def loggable_request_id(request_id: str) -> str:
-    """The id as logs may show it: a client's id that validation will refuse (too long, or with
-    control characters that would forge log lines) is shown escaped and cut short."""
-    if len(request_id) <= MAX_REQUEST_ID_LENGTH and request_id.isprintable():
+    """The id as logs may show it: one that validation will refuse (too long, or with control
+    characters that would forge log lines) is shown escaped and cut short."""
+    if request_id_problem(request_id) is None:
         return request_id
     return repr(request_id[:64]) + ("..." if len(request_id) > 64 else "")
 
@@ -80,12 +89,8 @@ def loggable_request_id(request_id: str) -> str:
 def prepare_generate(request: pb.GenerateRequest, model: ServedModel) -> PreparedRequest:
     """Checks a Generate request and tokenizes its prompt; raises ApiError."""
     model.check_name(request.model)
-    if len(request.request_id) > MAX_REQUEST_ID_LENGTH:
-        raise invalid_argument(f"request_id has {len(request.request_id)} characters; "
-                               f"at most {MAX_REQUEST_ID_LENGTH} are allowed")
-    if not request.request_id.isprintable():
-        raise invalid_argument("request_id must be printable text: it holds a control character "
-                               "(such as a newline)")
+    if problem := request_id_problem(request.request_id):
+        raise invalid_argument(problem)
     try:
         params = sampling_params_from_proto(request.params).validate(model.vocab_size)
     except InvalidRequest as error:
@@ -108,7 +113,7 @@ def prepare_generate(request: pb.GenerateRequest, model: ServedModel) -> Prepare
     submit.ClearField("n")
     submit.ClearField("stop")
     return PreparedRequest(
-        request_id=request.request_id or uuid.uuid4().hex,
+        request_id=request.request_id,     # GenerationService.stream drew one if it was empty
         prompt_token_ids=prompt, params=params,
         max_new_tokens=min(params.max_tokens, model.max_model_len - len(prompt)),
         stop=tuple(request.params.stop),

@@ -108,6 +108,7 @@ class Router:
         self._health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
         self._http: web.AppRunner | None = None
+        self._stopped = False
         self._tasks: list[asyncio.Task] = []
         self.port = 0
         self.http_port = 0
@@ -143,7 +144,11 @@ class Router:
 
     async def stop(self) -> None:
         """Stops taking calls, lets running ones finish within the grace period (then ends them
-        with UNAVAILABLE, which aborts them on the workers), and disconnects from the workers."""
+        with UNAVAILABLE, which aborts them on the workers), and disconnects from the workers.
+        Stopping again does nothing."""
+        if self._stopped:
+            return
+        self._stopped = True
         await self._publish_health(serving=False)
         for task in self._tasks:
             task.cancel()

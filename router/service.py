@@ -40,8 +40,8 @@ from router.counters import RouterCounters
 from router.errors import ApiError, invalid_argument, unavailable
 from router.fleet import Fleet
 from router.generate import GenerateRun, RunConfig
-from router.requests import (MAX_REQUEST_ID_LENGTH, PreparedRequest, ServedModel, encode_prompt,
-                             loggable_request_id, prepare_generate)
+from router.requests import (PreparedRequest, ServedModel, encode_prompt, loggable_request_id,
+                             prepare_generate, request_id_problem)
 from router.wire import find_invalid_utf8
 
 log = logging.getLogger("pagedserve.router")
@@ -74,12 +74,16 @@ def _parser(message_type: type[Message]) -> Callable[[bytes], Message | _Unparsa
     return parse
 
 
+def _request_id(request: pb.GenerateRequest | _Unparsable) -> str:
+    return "" if isinstance(request, _Unparsable) else request.request_id
+
+
 async def _abort(context: grpc.aio.ServicerContext, error: ApiError, request_id: str = "") -> None:
     """Ends the call with `error`; its "request-id" trailer names the request as the logs do
     (when the id is ASCII, as gRPC metadata must be)."""
     trailers = error.trailing_metadata
-    if (request_id and len(request_id) <= MAX_REQUEST_ID_LENGTH and request_id.isascii()
-            and request_id.isprintable()):     # an id refused as too long is not sent back
+    # A refused id is not sent back: echoing a 66 KB one hung a grpc-js connection.
+    if request_id and request_id.isascii() and request_id_problem(request_id) is None:
         trailers += (("request-id", request_id),)
     await context.abort(error.code, error.message, trailing_metadata=trailers)
 
@@ -127,14 +131,10 @@ class GenerationService:
     async def generate(self, request: pb.GenerateRequest | _Unparsable,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         """The gRPC method: `stream` with its errors turned into statuses."""
-        request_id = ""
         try:
             if isinstance(request, _Unparsable):
                 self.reject("invalid", "", request.problem)
                 raise invalid_argument(request.problem)
-            # Drawn now when the client sent none, so that even a refusal names the request.
-            request.request_id = request.request_id or uuid.uuid4().hex
-            request_id = request.request_id
             parent = tracing.extract(context.invocation_metadata()) if tracing.enabled() else None
             # aclosing: if the call ends at a yield, the inner stream is closed now, not whenever
             # it is garbage-collected, so its worker-side abort and release happen at once.
@@ -142,11 +142,11 @@ class GenerationService:
                 async for response in responses:
                     yield response
         except ApiError as error:
-            await _abort(context, error, request_id)
+            await _abort(context, error, _request_id(request))
         except asyncio.CancelledError:
             if (error := self._shutting_down()) is None:
                 raise
-            await _abort(context, error, request_id)
+            await _abort(context, error, _request_id(request))
 
     async def end_running(self, grace_s: float) -> None:
         """On shutdown: lets running Generate streams finish within `grace_s`, then ends the
@@ -180,7 +180,9 @@ class GenerationService:
         """One Generate request, whatever the transport: validation, admission, dispatch. Yields
         its responses and raises ApiError. Closing the stream early (the client went away or its
         deadline passed) aborts the request on the workers; the reservation is always released.
-        `parent`: the client's trace context (from its gRPC metadata or HTTP headers)."""
+        `parent`: the client's trace context (from its gRPC metadata or HTTP headers). An empty
+        `request.request_id` is filled in first, so that even a refusal names the request."""
+        request.request_id = request.request_id or uuid.uuid4().hex
         task = asyncio.current_task()
         self._running.add(task)
         try:
@@ -209,6 +211,9 @@ class GenerationService:
             observed.end("rejected", f"{error.code.name}: {error.message}")
             raise
         except BaseException as error:  # the client went away while it was queued, or a bug
+            if isinstance(error, asyncio.CancelledError) and (shutdown := self._shutting_down()):
+                observed.end("abort", f"{shutdown.code.name}: {shutdown.message}")
+                raise shutdown from None
             observed.end("cancelled" if isinstance(error, asyncio.CancelledError) else "error")
             raise
         queue_s = time.monotonic() - queued

@@ -321,23 +321,23 @@ def test_deadline_frees_the_workers_blocks(worker):
     asyncio.run(scenario())
 
 
-def test_router_shutdown_ends_running_streams_with_unavailable_saying_why(worker):
+def test_router_shutdown_ends_running_and_queued_streams_with_unavailable_saying_why(worker):
     async def scenario():
-        router = Router(RouterConfig(workers=[worker("a").address], host="127.0.0.1", port=0,
-                                     fleet=FleetConfig(backoff_initial_s=0.2), shutdown_grace_s=0.5))
-        await router.start()
-        await router.fleet.wait_for(lambda fleet: len(fleet.accepting()) == 1, 60)
-        async with client(router) as stub:
-            stream = Stream()
-            request = greedy_request(PROMPTS[0], 2000, ignore_eos=True)
-            request.request_id = "bye"
-            call = stub.Generate(request)
-            reading = asyncio.create_task(read_stream(call, stream))
-            await eventually(lambda: len(stream.token_ids) >= 2, 30, "tokens to flow")
+        limits = AdmissionConfig(max_concurrent_requests=1)
+        async with running_router(worker("a"), admission=limits) as router, client(router) as stub:
+            streams, readings = [Stream(), Stream()], []
+            for request_id, stream in zip(("running", "queued"), streams):
+                request = greedy_request(PROMPTS[0], 2000, ignore_eos=True)
+                request.request_id = request_id
+                readings.append(asyncio.create_task(read_stream(stub.Generate(request), stream)))
+                if request_id == "running":     # admitted first: the second then has to queue
+                    await eventually(lambda: len(streams[0].token_ids) >= 2, 30, "tokens to flow")
+            await eventually(lambda: router.admission.num_waiting == 1, 10, "the second to queue")
             await router.stop()
-            error = await rejected(reading)
-        assert error.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in error.details()
-        assert dict(error.trailing_metadata())["request-id"] == "bye"
+            errors = [await rejected(reading) for reading in readings]
+        for request_id, error in zip(("running", "queued"), errors):
+            assert error.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in error.details()
+            assert dict(error.trailing_metadata())["request-id"] == request_id
     asyncio.run(scenario())
 
 
