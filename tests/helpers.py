@@ -69,3 +69,22 @@ def tiny_hf_model(tmp_path, kind: str):
                 p.normal_(1.0 if "norm" in name else 0.0, 0.1)
     model.save_pretrained(tmp_path)
     return model.eval()
+
+
+def save_tiny_llama(path, *, vocab_size: int = 512, hidden_size: int = 256, layers: int = 4,
+                    max_position_embeddings: int = 1024):
+    """A small random Llama with grouped KV heads and random norms (so a wrong layout cannot
+    hide behind ones), saved as a Hugging Face directory at `path`; returns the transformers
+    model. Seeded: the same arguments give the same weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=layers, num_attention_heads=8 if hidden_size >= 128 else 4,
+        num_key_value_heads=2, max_position_embeddings=max_position_embeddings))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.1)
+    model.save_pretrained(path)
+    return model.eval()

@@ -43,7 +43,8 @@ def test_concurrent_greedy_matches_transformers_with_chunked_prefill(make_engine
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_greedy_unchanged_under_repeated_preemption(make_engine, prompt_ids, reference, mode):
     longest = max(len(ids) for ids in prompt_ids) + NEW_TOKENS
-    engine = make_engine(max_num_batched_tokens=128, num_blocks=-(-longest // 16) + 4,
+    # A pool that holds just the longest request: the others keep preempting each other.
+    engine = make_engine(max_num_batched_tokens=128, num_blocks=-(-longest // 16),
                          preemption_mode=mode, num_swap_blocks=64)
     assert outputs(generate(engine, prompt_ids, greedy(NEW_TOKENS))) == reference
     assert engine.scheduler.num_preemptions[mode] >= 3

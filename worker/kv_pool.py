@@ -67,7 +67,8 @@ class BlockManager:
     def match_prefix(self, seq: Sequence) -> None:
         """Gives a sequence that has no blocks yet the cached blocks of its longest cached
         prefix of full blocks, always leaving at least one token to compute (its logits
-        start the generation)."""
+        start the generation). The lookup counts in the hit rate only once the sequence is
+        admitted with it (`count_prefix_match`): a request that waits looks up every step."""
         assert not seq.block_table
         if not self.enable_prefix_caching:
             return
@@ -75,16 +76,29 @@ class BlockManager:
         for i in range((seq.num_tokens - 1) // self.block_size):
             tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
             h = chain_hash(prev, tokens)
-            self.prefix_queries += 1
             block_id = self.cached.get(h)
             if block_id is None or self.blocks[block_id].token_ids != tokens:
                 break
-            self.prefix_hits += 1
             self._ref(block_id)
             seq.block_table.append(block_id)
             seq.block_hashes.append(h)
             prev = h
         seq.num_computed = seq.num_cached_tokens = len(seq.block_table) * self.block_size
+
+    def unmatch_prefix(self, seq: Sequence) -> None:
+        """Gives back what `match_prefix` gave a sequence that could not be admitted; the
+        blocks stay cached."""
+        self.free_seq(seq)
+        seq.num_computed = seq.num_cached_tokens = 0
+
+    def count_prefix_match(self, seq: Sequence) -> None:
+        """Counts an admitted sequence's prefix lookup: the blocks it looked up (the hits,
+        and the miss that ended the match) and the hits."""
+        if not self.enable_prefix_caching:
+            return
+        hits = seq.num_cached_tokens // self.block_size
+        self.prefix_hits += hits
+        self.prefix_queries += min(hits + 1, (seq.num_tokens - 1) // self.block_size)
 
     def reserve(self, seq: Sequence, num_tokens: int) -> bool:
         """Makes the sequence's table cover `num_tokens` tokens; False if the pool is short."""

@@ -167,11 +167,16 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.num_pending:
                 break               # preempted with its token in flight: back once it is read
-            if not seq.block_table:
-                self.blocks.match_prefix(seq)
+            self.blocks.match_prefix(seq)
             n = min(seq.num_uncomputed, budget)
             if not self.blocks.reserve(seq, seq.num_computed + n):
+                # A waiting sequence holds no blocks: kept, its matched prefix could be all
+                # that stops the running ones from growing (and, preempted in turn, their
+                # own matches would stop it), a stall with no one left to preempt. The
+                # blocks stay cached, so the next try matches them again.
+                self.blocks.unmatch_prefix(seq)
                 break
+            self.blocks.count_prefix_match(seq)
             self._admit(seq)
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
