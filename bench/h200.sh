@@ -11,14 +11,7 @@
 # has no .git: pass PAGEDSERVE_COMMIT=$(git rev-parse --short HEAD) to name the commit.
 # $OUT/benchmarks_section.md is the dated section for docs/BENCHMARKS.md (bench/report.py).
 set -u
-OUT=${OUT:-out}
-mkdir -p "$OUT"
-if compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-fi
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
-nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
+source "$(dirname "$0")/device_env.sh"
 
 # The kernel tests (tests/test_kernels.py) compile for minutes on a fresh machine: run them
 # in a call of their own, or name them in GPU_TESTS.

@@ -31,7 +31,8 @@ class FleetConfig:
     connect_timeout_s: float = 10.0   # for Info and the session's first message
     backoff_initial_s: float = 0.5    # first wait before reconnecting; doubles up to the max
     backoff_max_s: float = 10.0
-    silence_timeout_s: float = 15.0   # a session silent this long counts as lost
+    # A session silent this long counts as lost: its worker reports load 5 times a second.
+    silence_timeout_s: float = 5.0
     affinity_blocks: int = 4          # prompt blocks hashed for prefix affinity
     max_load_gap: float = 0.25        # load difference past which the least-loaded worker wins
 

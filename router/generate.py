@@ -189,7 +189,9 @@ class GenerateRun:
                     "pagedserve.preemption.mode": mode})
             if event.mode != worker_pb2.PREEMPTION_MODE_RECOMPUTE:
                 return
-            if event.message == _DRAINING or worker.draining:
+            if event.worker_fault:
+                self._redispatch(choice, f"its worker faulted ({event.message})")
+            elif event.message == _DRAINING or worker.draining:
                 self._redispatch(choice, "its worker is draining")
             else:
                 self._maybe_migrate(choice, worker)

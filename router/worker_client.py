@@ -93,8 +93,9 @@ class WorkerClient:
 
     @property
     def accepting(self) -> bool:
-        """Whether new dispatches should come here."""
-        return self.alive and not self._draining
+        """Whether new dispatches should come here: not while it drains, nor while its
+        watchdog reports its engine stalled."""
+        return self.alive and not self._draining and not (self.load is not None and self.load.stalled)
 
     @property
     def kv_usage(self) -> float:

@@ -41,6 +41,12 @@ def free_port() -> int:
             return port
 
 
+def python_path() -> str:
+    """PYTHONPATH for a subprocess: the repository, then what this process was given (the GPU
+    machine's carried wheels live there)."""
+    return os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+
+
 def module_command(module: str, *args: str) -> list[str]:
     """`python -m module args`; on Linux the process also asks the kernel to kill it when the
     test process dies, even by SIGKILL (an out-of-memory kill), so no server outlives a run."""
@@ -62,7 +68,7 @@ class WorkerProcess:
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self._args = ["--host", "127.0.0.1", "--port", str(self.port), "--num-blocks", "128", *args]
-        self._env = {name: value for name, value in {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}.items()
+        self._env = {name: value for name, value in {**os.environ, "PYTHONPATH": python_path(), **(env or {})}.items()
                      if value is not None}
         self._log = tempfile.TemporaryFile(mode="w+")
         self.process: subprocess.Popen | None = None

@@ -70,6 +70,9 @@ class EngineConfig:
     # forward runs in the launching thread, so it would only report each token a step later.
     async_scheduling: bool | None = None
     tensor_parallel_size: int = 1         # ranks (GPUs) one worker spreads the model over
+    # The worker's watchdog: seconds an engine holding runnable work may go without a step
+    # that advances it before the worker reports NOT_SERVING (0: no watchdog).
+    stall_timeout_s: float = 60.0
 
     def validate(self) -> "EngineConfig":
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -86,6 +89,8 @@ class EngineConfig:
             raise ValueError(f"preemption_mode={self.preemption_mode!r} must be swap or recompute")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
+        if self.stall_timeout_s < 0:
+            raise ValueError(f"stall_timeout_s={self.stall_timeout_s} must be >= 0 (0: no watchdog)")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks={self.num_blocks} must be >= 1")
         return self

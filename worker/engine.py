@@ -104,10 +104,14 @@ class LLMEngine:
     def vocab_size(self) -> int:
         return self.model_config.vocab_size
 
-    def close(self) -> None:
-        """Stops the other ranks of a tensor-parallel worker (nothing to do otherwise)."""
+    def close(self, abandon: bool = False) -> None:
+        """Stops the other ranks of a tensor-parallel worker (nothing to do otherwise);
+        `abandon`: kills them instead, after a fault (they may be stuck in a collective)."""
         if self.ranks is not None:
-            self.ranks.close(self.runner.channel)
+            if abandon:
+                self.ranks.abandon()
+            else:
+                self.ranks.close(self.runner.channel)
             self.runner.channel = self.ranks = None
 
     # ------------------------------------------------------------ requests
@@ -171,6 +175,10 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return bool(self.requests) or self.in_flight is not None
+
+    def has_runnable(self) -> bool:
+        """Whether some work could advance now: all but requests held in swap space."""
+        return self.in_flight is not None or self.scheduler.has_work()
 
     def stats(self) -> EngineStats:
         sched = self.scheduler

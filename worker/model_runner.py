@@ -117,8 +117,12 @@ class ModelRunner:
 
     def _alloc_staging(self) -> None:
         """Pinned host buffers the step inputs are written into, then copied asynchronously:
-        two sets, used by turns. While step N runs, step N+1 fills the other set; step N-1's
-        copies, which used it, are done (the host has read step N-1's draws since)."""
+        two sets, used by turns, each with an event recorded after its copies were queued.
+        While step N runs, step N+1 fills the other set once step N-1's copies from it have
+        run. That wait is free when the host has read step N-1's draws since, but nothing
+        else orders it: a run of prompt chunks draws no token, the host races ahead of the
+        device, and without the event it rewrote a set (slot mapping, block tables) that a
+        queued copy had still to read."""
         tokens, seqs = self.config.max_num_batched_tokens, self.config.max_num_seqs
         pinned = lambda *shape, dt: torch.zeros(*shape, dtype=dt).pin_memory()  # noqa: E731
         self.staging_sets = [{
@@ -126,6 +130,8 @@ class ModelRunner:
             "slot_mapping": pinned(tokens, dt=torch.int64), "seq_lens": pinned(seqs, dt=torch.int32),
             "query_start_loc": pinned(seqs + 1, dt=torch.int32),
             "block_tables": pinned(seqs * self.max_blocks_per_seq, dt=torch.int32)} for _ in range(2)]
+        self.staging_copied: list[torch.cuda.Event | None] = [None, None]
+        self.staging_turn = 0
         self.staging = self.staging_sets[0]
 
     @property
@@ -189,7 +195,7 @@ class ModelRunner:
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Step inputs on the device; pending tokens are read from `previous`' draws."""
         if self.device.type == "cuda":
-            self.staging = self.staging_sets[self.staging is self.staging_sets[0]]
+            self._next_staging_set()
         bs = self.block_size
         query_lens = np.array([s.num_tokens for s in scheduled], dtype=np.int64)
         starts = np.array([s.seq.num_computed for s in scheduled], dtype=np.int64)
@@ -224,7 +230,19 @@ class ModelRunner:
         if (pending := np.flatnonzero(pending_rows >= 0)).size:
             input_ids_device[to_device(query_start_loc[pending + 1] - 1, torch.long, self.device)] = \
                 previous.token_ids[to_device(pending_rows[pending], torch.long, self.device)]
-        return input_ids_device, self._to_device(positions, "positions"), metadata
+        positions_device = self._to_device(positions, "positions")
+        if self.device.type == "cuda":
+            self.staging_copied[self.staging_turn] = event = torch.cuda.Event()
+            event.record()
+        return input_ids_device, positions_device, metadata
+
+    def _next_staging_set(self) -> None:
+        """Turns to the other staging set, once the device has run the copies that last read
+        it (a host wait only when the device is more than a step behind)."""
+        self.staging_turn ^= 1
+        self.staging = self.staging_sets[self.staging_turn]
+        if (copied := self.staging_copied[self.staging_turn]) is not None:
+            copied.synchronize()
 
     def swap(self, moves: list[tuple[str, int, int]]) -> None:
         """Runs block moves between the device pool and host swap space, in order, one

@@ -148,7 +148,8 @@ class Ranks:
         os._exit(1)
 
     def abandon(self) -> None:
-        """Kills the ranks: rank 0 failed before it could tell them anything."""
+        """Kills the ranks, which may wait in a collective forever: rank 0 failed to start, or
+        its engine faulted."""
         self._closing.set()
         for process in self.processes:
             process.kill()

@@ -37,6 +37,7 @@ from common.metrics import WorkerMetrics, serve_metrics
 from common.pb import worker_pb2 as pb
 from common.pb import worker_pb2_grpc
 from worker.config import EngineConfig
+from worker import faults
 from worker.engine import EngineEvent, EngineStats, LLMEngine, RequestOutput
 from worker.models.loader import load_tokenizer
 from worker.sampling_params import InvalidRequest
@@ -98,7 +99,12 @@ def _event(request_id: str, kind: int, mode: str | None = None, message: str = "
 
 
 class EngineLoop:
-    """Owns the engine on a dedicated thread; everything else talks to it with `call`."""
+    """Owns the engine on a dedicated thread; everything else talks to it with `call`.
+
+    A step that raises is an engine fault (see worker.faults): the loop steps no more, hands
+    every request back to its router as a drain does, and calls `on_fault`, after which the
+    worker exits. `last_progress` (when the engine last advanced, or had nothing it could
+    advance) is what the watchdog reads."""
 
     def __init__(self, engine: LLMEngine, metrics: WorkerMetrics, model_name: str):
         self.engine = engine
@@ -107,10 +113,15 @@ class EngineLoop:
         self.owner: dict[str, Session] = {}        # engine key -> session
         self.records: dict[str, RequestRecord] = {}  # engine key -> record, for every owned key
         self.draining = False
+        self.fault: str | None = None              # what broke the engine, once it has
+        self.on_fault: Callable[[str], None] = lambda message: None
+        self.last_progress = time.monotonic()
+        self.stalled = False                       # set by the watchdog
         self.stats: EngineStats = engine.stats()
         self.metrics = metrics
         self.model_name = model_name
         self.tracing = tracing.enabled()
+        self.injection = faults.FaultInjection.from_env()
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
@@ -132,24 +143,41 @@ class EngineLoop:
         while not self._stopped:
             self.wake.clear()
             self._run_commands()
-            outputs, progressed = [], False
-            if self.engine.has_unfinished():
-                started = time.monotonic()
-                try:
-                    outputs = self.engine.step()
-                except Exception:
-                    log.exception("engine step failed; failing its requests")
-                    self._fail_all("internal error in the engine step (logged on the worker)")
-                else:
-                    self._observe_step(started, len(outputs))
-                    # A prompt chunk reports no tokens, nor does the first step launched
-                    # after an idle spell: both are progress, to be followed at once.
-                    progressed = bool(outputs or self.engine.last_plan.scheduled)
-                self._publish(outputs, started)
-            self.stats = self.engine.stats()
+            progressed = self.fault is None and self.engine.has_unfinished() and self._step()
+            if self.fault is None:
+                self.stats = self.engine.stats()
+                if progressed or not self.engine.has_runnable():
+                    self.last_progress = time.monotonic()
             if not progressed and not self.commands.qsize():
-                # Nothing ran (idle, or only held/unfittable work): sleep until a command.
+                # Nothing ran (idle, only held/unfittable work, or faulted): sleep until a command.
                 self.wake.wait(timeout=0.05 if self.engine.has_unfinished() else 1.0)
+
+    def _step(self) -> bool:
+        """Runs one engine step and publishes what it produced; whether it advanced anything."""
+        started = time.monotonic()
+        try:
+            if self.injection is not None:
+                self.injection.before_step(self.engine.num_steps + 1)
+            outputs = self.engine.step()
+        except Exception as error:
+            self._engine_fault(error)
+            return False
+        self._observe_step(started, len(outputs))
+        self._publish(outputs, started)
+        # A prompt chunk reports no tokens, nor does the first step launched after an idle
+        # spell: both are progress, to be followed at once.
+        return bool(outputs or self.engine.last_plan.scheduled)
+
+    def _engine_fault(self, error: Exception) -> None:
+        """Gives up the engine after a failed step: hands every request back, then `on_fault`."""
+        kind = "device fault" if faults.is_device_fault(error) else "engine fault"
+        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        self.fault = f"{kind} in step {self.engine.num_steps + 1}: {first_line}"
+        # A device fault's Python traceback says nothing; an engine fault is a bug to find.
+        log.error("%s; handing %d requests back to their routers and exiting", self.fault,
+                  len(self.owner), exc_info=None if kind == "device fault" else error)
+        self._hand_back(self.fault, worker_fault=True)
+        self.on_fault(self.fault)
 
     def _run_commands(self) -> None:
         while True:
@@ -239,11 +267,20 @@ class EngineLoop:
             tracing.end_request_span(record.span, output_tokens=record.num_output, finish_reason=reason,
                                      ttft_s=record.ttft_s(), error=error, end_time_ns=tracing.span_time_ns(now))
 
-    def _fail_all(self, message: str) -> None:
+    def _hand_back(self, message: str, worker_fault: bool = False) -> None:
+        """Gives every request back to its router for re-dispatch (PREEMPTED, recompute: the
+        router resubmits prompt + the tokens it has received), then tells every session it
+        holds nothing more (DRAINED). After a fault the engine is not touched: its state may
+        be half-updated."""
+        sessions = set(self.owner.values())
         for key, session in list(self.owner.items()):
-            self.engine.abort(key)
-            self._forget(key, "failed", message)
-            session.send(_event(key.split("/", 1)[1], pb.EVENT_KIND_FAILED, message=message, worker_fault=True))
+            if not worker_fault:
+                self.engine.abort(key)
+            self._forget(key, "failed" if worker_fault else "drained", message if worker_fault else None)
+            session.send(_event(key.split("/", 1)[1], pb.EVENT_KIND_PREEMPTED, "recompute", message,
+                                worker_fault=worker_fault))
+        for session in sessions | self.sessions_alive():
+            session.send(_event("", pb.EVENT_KIND_DRAINED))
 
     # ------------------------------------------------------------ commands (engine thread)
 
@@ -252,7 +289,8 @@ class EngineLoop:
         key = session.key(msg.request_id)
         record = RequestRecord(received, len(msg.prompt_token_ids), self._start_span(msg, received))
         if self.draining:
-            session.send(_event(msg.request_id, pb.EVENT_KIND_PREEMPTED, "recompute", "draining"))
+            session.send(_event(msg.request_id, pb.EVENT_KIND_PREEMPTED, "recompute", self.fault or "draining",
+                                worker_fault=self.fault is not None))
             self._close_record(record, "drained")
             return
         try:
@@ -285,6 +323,8 @@ class EngineLoop:
                                   start_time_ns=tracing.span_time_ns(received))
 
     def abort(self, session: Session, request_ids, stop_string: bool = False) -> None:
+        if self.fault is not None:
+            return      # nothing is held any more
         for request_id in request_ids:
             key = session.key(request_id)
             if self.engine.abort(key):
@@ -294,28 +334,31 @@ class EngineLoop:
                     deltas=[pb.RequestDelta(request_id=request_id, finish_reason=pb.FINISH_REASON_ABORT)])))
 
     def preempt(self, session: Session, request_id: str, mode: str | None, hold: bool = False) -> None:
-        self.engine.preempt(session.key(request_id), mode, hold)
-        self._publish([])
+        if self.fault is None:
+            self.engine.preempt(session.key(request_id), mode, hold)
+            self._publish([])
 
     def swap_in(self, session: Session, request_id: str) -> None:
-        self.engine.swap_in(session.key(request_id))
+        if self.fault is None:
+            self.engine.swap_in(session.key(request_id))
+
+    def stalled_for(self) -> float:
+        """Seconds the engine has held runnable work without advancing it (thread-safe)."""
+        return time.monotonic() - self.last_progress
 
     def drain(self) -> None:
         """Stops admitting and hands every request back to its router for re-dispatch."""
+        if self.fault is not None:
+            return      # already handed back
         if not self.draining:
             log.info("draining: %d requests handed back", len(self.owner))
         self.draining = True
-        sessions = set(self.owner.values())
-        for key, session in list(self.owner.items()):
-            self.engine.abort(key)
-            self._forget(key, "drained")
-            session.send(_event(key.split("/", 1)[1], pb.EVENT_KIND_PREEMPTED, "recompute", "draining"))
-        for session in sessions | self.sessions_alive():
-            session.send(_event("", pb.EVENT_KIND_DRAINED))
+        self._hand_back("draining")
 
     def close_session(self, session: Session) -> None:
         for key in list(session.keys):
-            self.engine.abort(key)
+            if self.fault is None:
+                self.engine.abort(key)
             self._forget(key, "abort")
         if session.keys:
             log.info("session %s closed", session.session_id)
@@ -412,7 +455,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 total_blocks=s.total_blocks, num_running=s.num_running, num_waiting=s.num_waiting,
                 num_swapped=s.num_swapped, tokens_in_flight=s.tokens_in_flight,
                 free_swap_blocks=s.free_swap_blocks, draining=self.loop.draining,
-                prefix_cache_hit_rate=hit_rate)))
+                prefix_cache_hit_rate=hit_rate, stalled=self.loop.stalled)))
             await asyncio.sleep(LOAD_REPORT_INTERVAL_S)
 
 
@@ -420,27 +463,38 @@ async def serve_worker(config: EngineConfig, host: str, port: int, worker_id: st
                        model_name: str | None = None, ready: Callable[[int], None] | None = None,
                        metrics_port: int = 0) -> None:
     """Loads the model, serves until SIGTERM/SIGINT, then drains and stops. `metrics_port`:
-    where to serve Prometheus /metrics (0: nowhere); tracing follows the OTEL_* variables."""
+    where to serve Prometheus /metrics (0: nowhere); tracing follows the OTEL_* variables.
+    After an engine fault it hands the requests back, stops, and raises
+    SystemExit(faults.EXIT_CODE) for its supervisor to restart it."""
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection
 
     started = time.monotonic()
     tracing.setup_tracing("pagedserve-worker")
+    server = create_server([("grpc.max_receive_message_length", 64 * 2**20),
+                            ("grpc.max_send_message_length", 64 * 2**20)])
+    # The port is taken before the model loads, so a port in use fails in a second, not after
+    # minutes of loading; clients are answered once the server starts.
+    bound = listen(server, host, port)
     engine = LLMEngine(config)
     service = WorkerService(engine, worker_id or f"{socket.gethostname()}:{port}",
                             model_name or engine.source.name)
-    server = create_server([("grpc.max_receive_message_length", 64 * 2**20),
-                            ("grpc.max_send_message_length", 64 * 2**20)])
     worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     service_name = pb.DESCRIPTOR.services_by_name["Worker"].full_name
     reflection.enable_server_reflection([service_name, reflection.SERVICE_NAME, health.SERVICE_NAME], server)
-    bound = listen(server, host, port)
+
+    async def set_health(status) -> None:
+        for name in ("", service_name):
+            await health_servicer.set(name, status)
+
+    stop = asyncio.Event()
+    running_loop = asyncio.get_running_loop()
+    service.loop.on_fault = lambda message: running_loop.call_soon_threadsafe(stop.set)
     service.loop.start()
     await server.start()
-    for name in ("", service_name):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    await set_health(health_pb2.HealthCheckResponse.SERVING)
     log.info("worker %s serving %s on %s:%d (%d KV blocks of %d tokens, max_model_len %d) after %.1fs",
              service.worker_id, service.info.model_name, host, bound, service.info.num_gpu_blocks,
              config.block_size, engine.max_model_len, time.monotonic() - started)
@@ -449,21 +503,56 @@ async def serve_worker(config: EngineConfig, host: str, port: int, worker_id: st
     if ready:
         ready(bound)
 
-    stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        running_loop.add_signal_handler(sig, stop.set)
+    watchdog = (asyncio.create_task(_watch_engine(service.loop, set_health, config.stall_timeout_s))
+                if config.stall_timeout_s > 0 else None)
     await stop.wait()
-    log.info("shutting down: draining %d requests", len(service.loop.owner))
-    for name in ("", service_name):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    service.loop.call(service.loop.drain)
+    if watchdog is not None:
+        watchdog.cancel()
+    await set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+    fault = service.loop.fault
+    if fault is None:
+        log.info("shutting down: draining %d requests", len(service.loop.owner))
+        service.loop.call(service.loop.drain)
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline and any(not s.outbox.empty() for s in service.sessions):
         await asyncio.sleep(0.05)
+    for session in service.sessions:
+        session.outbox.put_nowait(None)     # ends each stream, rather than cancel it mid-wait
+    while time.monotonic() < deadline and service.sessions:
+        await asyncio.sleep(0.05)
     await server.stop(grace=1)
     service.loop.stop()
-    engine.close()
+    engine.close(abandon=fault is not None)
     tracing.shutdown_tracing()
+    if fault is not None:
+        log.error("worker %s exits after a %s", service.worker_id, fault.split(" in step")[0])
+        raise SystemExit(faults.EXIT_CODE)
+
+
+async def _watch_engine(loop: EngineLoop, set_health: Callable, timeout_s: float) -> None:
+    """The watchdog: health is NOT_SERVING (and load reports say `stalled`) while the engine
+    holds work it could run but has not advanced for `timeout_s`, so that a stall is seen
+    and routed around instead of silent; SERVING again once it advances."""
+    from grpc_health.v1 import health_pb2
+
+    while True:
+        await asyncio.sleep(min(1.0, timeout_s / 4))
+        stalled = loop.fault is None and loop.stalled_for() > timeout_s
+        if stalled == loop.stalled:
+            continue
+        loop.stalled = stalled
+        if stalled:
+            s = loop.stats
+            log.error("engine stalled: its work has not advanced for %.1f s (running %d, waiting %d, "
+                      "swapped %d; %d of %d KV blocks free; %d steps so far); reporting NOT_SERVING",
+                      loop.stalled_for(), s.num_running, s.num_waiting, s.num_swapped, s.free_blocks,
+                      s.total_blocks, s.steps)
+        else:
+            log.info("engine advancing again; reporting SERVING")
+        await set_health(health_pb2.HealthCheckResponse.NOT_SERVING if stalled
+                         else health_pb2.HealthCheckResponse.SERVING)
 
 
 def run_worker(config: EngineConfig, host: str = "0.0.0.0", port: int = 50061, worker_id: str | None = None,
@@ -485,7 +574,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         num_blocks=args.num_blocks, swap_space_gb=args.swap_space, num_swap_blocks=args.num_swap_blocks,
         preemption_mode=args.preemption_mode, enable_prefix_caching=args.enable_prefix_caching,
         scheduling_policy=args.scheduling_policy, enforce_eager=args.enforce_eager,
-        async_scheduling=args.async_scheduling, tensor_parallel_size=args.tensor_parallel_size)
+        async_scheduling=args.async_scheduling, tensor_parallel_size=args.tensor_parallel_size,
+        stall_timeout_s=args.engine_stall_timeout)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -522,10 +612,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
            "the CPU, where it would only delay each token by a step")
     a("--tensor-parallel-size", type=int, default=d.tensor_parallel_size,
       help="GPUs (ranks: processes) to split the model over; on the CPU, processes over gloo")
+    a("--engine-stall-timeout", type=float, default=d.stall_timeout_s,
+      help="the worker's watchdog: seconds its engine may hold runnable work without advancing "
+           "it before the worker logs the engine's state and reports NOT_SERVING (0: off)")
 
 
 def main(argv: list[str] | None = None) -> None:
-    from common.cli import apply_env
+    import sys
+
+    from common.cli import WORKER_REFUSED, apply_env
+    from common.ports import check_ports
 
     parser = argparse.ArgumentParser(prog="python -m worker.server", description="pagedserve worker")
     add_engine_args(parser)
@@ -540,10 +636,17 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        # Before the model loads, which can take minutes: a taken port is refused at once.
+        # The metrics port is not: without it the worker still serves (see serve_metrics).
+        check_ports([("--worker-port", args.host, args.port)])
         run_worker(engine_config_from_args(args), args.host, args.port, args.worker_id,
                    args.served_model_name, args.metrics_port)
-    except OSError as error:
-        raise SystemExit(f"worker: {error}") from error
+    except (OSError, ValueError) as error:
+        # A taken port, a bad model path or setting (the loader's ModelLoadError and the
+        # engine's checks are ValueErrors whose message names it): one line, no traceback. Any
+        # other exception is a bug and keeps its traceback.
+        print(f"worker: {error}", file=sys.stderr)
+        raise SystemExit(WORKER_REFUSED) from error
 
 
 if __name__ == "__main__":
