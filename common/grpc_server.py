@@ -1,13 +1,17 @@
 """What every gRPC server pagedserve starts has in common: it owns its port."""
 
+from collections.abc import Sequence
+
 import grpc
 
 
-def create_server(options: list[tuple[str, object]]) -> grpc.aio.Server:
-    """A grpc.aio server with `options`, which refuses to share its port. gRPC sets
-    SO_REUSEPORT by default on Linux, so a second server told a port that is already taken
-    would start without error and the kernel would split connections between the two."""
-    return grpc.aio.server(options=[*options, ("grpc.so_reuseport", 0)])
+def create_server(options: list[tuple[str, object]],
+                  interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> grpc.aio.Server:
+    """A grpc.aio server with `options` and `interceptors`, which refuses to share its port.
+    gRPC sets SO_REUSEPORT by default on Linux, so a second server told a port that is already
+    taken would start without error and the kernel would split connections between the two."""
+    return grpc.aio.server(interceptors=interceptors,
+                           options=[*options, ("grpc.so_reuseport", 0)])
 
 
 def listen(server: grpc.aio.Server, host: str, port: int) -> int:

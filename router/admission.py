@@ -2,7 +2,8 @@
 
 Each worker offers a budget of kv_capacity_tokens × overcommit tokens. A request reserves
 (prompt + max_tokens) × n of them on the worker it is placed on, for as long as it runs: the
-most KV it could ever need. An overcommit above 1 bets that requests seldom reach max_tokens;
+most KV it could ever need (router.requests resolves max_tokens so that prompt + max_tokens never
+exceeds max_model_len). An overcommit above 1 bets that requests seldom reach max_tokens;
 when the bet is lost the worker preempts, it does not fail.
 
 A request that fits nowhere waits in a queue bounded in length (max_queue_len) and in time

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
 import math
@@ -28,6 +27,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from common import tracing
 from common.pb import generation_pb2 as pb
+from router.auth import bearer_key_matches
 from router.errors import ApiError
 
 log = logging.getLogger("pagedserve.http")
@@ -88,7 +88,8 @@ class HttpError(Exception):
 def _field(body: dict, name: str, kinds: tuple[type, ...], default: Any = None,
            limits: tuple[int, int] = INT32) -> Any:
     """body[name] checked against `kinds`; an integer also against `limits` (the range of the
-    gRPC field it goes into), a string for being encodable text."""
+    gRPC field it goes into), or made a float for a number field; a string for being encodable
+    text."""
     value = body.get(name, default)
     if value is None:
         return default
@@ -99,6 +100,8 @@ def _field(body: dict, name: str, kinds: tuple[type, ...], default: Any = None,
                               else "object" for k in kinds)
         raise HttpError(400, f"{name} must be {allowed}, got {json.dumps(value)[:80]}", name)
     if isinstance(value, int) and not isinstance(value, bool):
+        if float in kinds:  # a number field: its range is the gRPC API's, checked later
+            return _as_float(value, name)
         _check_int(value, name, limits)
     if isinstance(value, str):
         _check_text(value, name)
@@ -109,6 +112,15 @@ def _check_int(value: int, name: str, limits: tuple[int, int] = INT32) -> None:
     if not limits[0] <= value <= limits[1]:
         what = "a 32-bit integer" if limits == INT32 else f"an integer in [{limits[0]}, {limits[1]}]"
         raise HttpError(400, f"{name}={value} is out of range: the field holds {what}", name)
+
+
+def _as_float(value: int, name: str) -> float:
+    """An integer sent for a number field, as the float the field holds."""
+    try:
+        return float(value)
+    except OverflowError:
+        raise HttpError(400, f"{name} is out of range: the number has {len(str(abs(value)))} digits",
+                        name) from None
 
 
 def _int_list(values: list, name: str) -> list[int]:
@@ -127,6 +139,34 @@ def _check_text(value: str, name: str) -> None:
     except UnicodeEncodeError:
         raise HttpError(400, f"{name} is not valid Unicode text: it holds a lone UTF-16 "
                         "surrogate", name) from None
+
+
+async def _body_text(request: web.Request) -> str:
+    """The body as text. JSON is UTF-8 (RFC 8259): a body declared in another charset, or in one
+    unknown, is refused rather than read as what it says it is not."""
+    charset = request.charset
+    if charset is not None and charset.lower() not in ("utf-8", "utf8"):
+        raise HttpError(415, f"charset={charset} is not supported: send the JSON body as UTF-8 "
+                        "(Content-Type: application/json, or with charset=utf-8)")
+    try:
+        return (await request.read()).decode("utf-8")
+    except web.RequestPayloadError as error:     # a broken gzip stream, say
+        cause = error.__cause__
+        problem = cause.message if isinstance(cause, HttpProcessingError) else str(error)
+        raise HttpError(400, f"the body cannot be read: {problem}") from None
+    except UnicodeDecodeError as error:
+        raise HttpError(400, f"the body is not valid UTF-8, as JSON must be: {error.reason} at "
+                        f"byte {error.start}") from None
+
+
+def _json_int(digits: str) -> int:
+    """A JSON integer. One longer than Python converts (4300 digits by default) is a 400 naming
+    the problem instead of a ValueError."""
+    try:
+        return int(digits)
+    except ValueError:
+        raise HttpError(400, f"the body holds an integer of {len(digits.lstrip('-'))} digits, "
+                        "far more than any field takes") from None
 
 
 def sampling_parameters(body: dict, *, chat: bool) -> pb.SamplingParameters:
@@ -449,19 +489,18 @@ class OpenAIApi:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler):
-        if self.api_key and request.path.startswith("/v1/"):
-            scheme, _, key = request.headers.get("Authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(
-                    key.strip().encode(errors="surrogateescape"), self.api_key.encode()):
-                raise HttpError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'")
+        if self.api_key and request.path.startswith("/v1/") and not bearer_key_matches(
+                request.headers.get("Authorization", ""), self.api_key):
+            raise HttpError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'")
         return await handler(request)
 
     # ---------------------------------------------------------------- helpers
 
     async def _body(self, request: web.Request) -> dict:
+        text = await _body_text(request)
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            body = json.loads(text, parse_int=_json_int)
+        except json.JSONDecodeError as error:
             raise HttpError(400, f"the body is not valid JSON: {error}") from None
         except RecursionError:
             raise HttpError(400, "the body is not valid JSON here: it is nested too deeply") from None

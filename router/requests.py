@@ -14,6 +14,9 @@ import grpc
 from common.convert import sampling_params_from_proto
 from common.pb import generation_pb2 as pb
 from router.admission import reservation_tokens
+
+# Output tokens a request that set no max_tokens reserves (see PreparedRequest.reserved_tokens).
+UNSET_MAX_TOKENS_RESERVATION = 1024
 from router.errors import ApiError, invalid_argument
 from router.tokenizer import ChatTemplateError, RouterTokenizer
 from worker.sampling_params import InvalidRequest, SamplingParams, choice_seed
@@ -43,13 +46,15 @@ class PreparedRequest:
 
     request_id: str
     prompt_token_ids: list[int]
-    params: SamplingParams       # validated; `seed` is always set
-    max_new_tokens: int          # max_tokens, capped by what max_model_len leaves
+    # Validated, `seed` always set and `max_tokens` resolved: prompt + max_tokens <= max_model_len.
+    params: SamplingParams
     stop: tuple[str, ...]
     include_stop_str_in_output: bool
     skip_special_tokens: bool
     priority: int
-    worker_params: pb.SamplingParameters  # the client's, minus n and stop (see submit_params)
+    # The client's, minus n and stop, with max_tokens resolved (see submit_params).
+    worker_params: pb.SamplingParameters
+    max_tokens_set: bool = True     # by the client; else the default (see reserved_tokens)
 
     @property
     def n(self) -> int:
@@ -57,7 +62,13 @@ class PreparedRequest:
 
     @property
     def reserved_tokens(self) -> int:
-        return reservation_tokens(len(self.prompt_token_ids), self.max_new_tokens, self.n)
+        """prompt + max_tokens per choice. A chat that set no max_tokens may run to the end of
+        the context, but reserving all of it would let a pool hold only a handful of such
+        chats: it reserves UNSET_MAX_TOKENS_RESERVATION output tokens, and the worker preempts
+        if it outgrows them, as under --overcommit."""
+        output = (self.params.max_tokens if self.max_tokens_set
+                  else min(self.params.max_tokens, UNSET_MAX_TOKENS_RESERVATION))
+        return reservation_tokens(len(self.prompt_token_ids), output, self.n)
 
     def submit_params(self, choice: int) -> pb.SamplingParameters:
         """What a worker gets for one choice: n left unset (one sequence per Submit), stop strings
@@ -91,10 +102,6 @@ def prepare_generate(request: pb.GenerateRequest, model: ServedModel) -> Prepare
     model.check_name(request.model)
     if problem := request_id_problem(request.request_id):
         raise invalid_argument(problem)
-    try:
-        params = sampling_params_from_proto(request.params).validate(model.vocab_size)
-    except InvalidRequest as error:
-        raise invalid_argument(f"params.{error}") from None
     for i, stop in enumerate(request.params.stop):
         if not stop:
             raise invalid_argument(f"params.stop[{i}] is empty: a stop string needs at least one "
@@ -105,6 +112,7 @@ def prepare_generate(request: pb.GenerateRequest, model: ServedModel) -> Prepare
                                "stop_token_ids")
     prompt = encode_prompt(request, model)
     _check_prompt_length(request, prompt, model)
+    params = _sampling_params(request, len(prompt), model)
     if params.seed is None:
         # Drawn here, not on the worker, so a choice re-dispatched elsewhere continues the same.
         params.seed = random.getrandbits(63)
@@ -112,10 +120,11 @@ def prepare_generate(request: pb.GenerateRequest, model: ServedModel) -> Prepare
     submit.CopyFrom(request.params)
     submit.ClearField("n")
     submit.ClearField("stop")
+    submit.max_tokens = params.max_tokens   # resolved here: a worker's own default is 16
     return PreparedRequest(
+        max_tokens_set=request.params.HasField("max_tokens"),
         request_id=request.request_id,     # GenerationService.stream drew one if it was empty
         prompt_token_ids=prompt, params=params,
-        max_new_tokens=min(params.max_tokens, model.max_model_len - len(prompt)),
         stop=tuple(request.params.stop),
         include_stop_str_in_output=request.include_stop_str_in_output,
         skip_special_tokens=(request.skip_special_tokens
@@ -156,6 +165,37 @@ def _check_prompt_length(request: pb.GenerateRequest, ids: list[int], model: Ser
         raise invalid_argument(
             f"{field}: the prompt has {len(ids)} tokens; at most {model.max_model_len - 1} are "
             f"allowed (max_model_len={model.max_model_len}, minus one token to generate)")
+
+
+def _sampling_params(request: pb.GenerateRequest, prompt_tokens: int,
+                     model: ServedModel) -> SamplingParams:
+    """The request's sampling parameters, validated, with max_tokens resolved. A max_tokens the
+    client set must fit in max_model_len together with the prompt; an unset one is, for a chat,
+    the rest of the context (as in vLLM's chat API), and for text or token ids OpenAI's
+    completions default of 16, cut to what the context leaves."""
+    room = model.max_model_len - prompt_tokens
+    params = sampling_params_from_proto(request.params)
+    if not request.params.HasField("max_tokens"):
+        chat = request.WhichOneof("input") == "chat"
+        params.max_tokens = room if chat else min(params.max_tokens, room)
+    try:
+        params.validate(model.vocab_size)
+    except InvalidRequest as error:
+        raise invalid_argument(f"params.{error}") from None
+    if params.max_tokens > room:
+        raise invalid_argument(_context_exceeded(request, prompt_tokens, params.max_tokens, model))
+    return params
+
+
+def _context_exceeded(request: pb.GenerateRequest, prompt_tokens: int, max_tokens: int,
+                      model: ServedModel) -> str:
+    """Why max_tokens does not fit, in vLLM's words: clients such as LiteLLM recognise a context
+    overflow by "This model's maximum context length is"."""
+    prompt = "messages" if request.WhichOneof("input") == "chat" else "prompt"
+    return (f"params.max_tokens={max_tokens} is too large. This model's maximum context length is "
+            f"{model.max_model_len} tokens. However, you requested {prompt_tokens + max_tokens} "
+            f"tokens ({prompt_tokens} in the {prompt}, {max_tokens} in the completion). Please "
+            f"reduce the length of the {prompt} or completion.")
 
 
 def _chat_token_ids(chat: pb.ChatMessages, tokenizer: RouterTokenizer) -> list[int]:

@@ -7,7 +7,9 @@
 
 `run_router(config)` runs one on uvloop until SIGINT or SIGTERM (`pagedserve serve --role
 router`). Besides pagedserve.v1.Generation the server offers standard gRPC health (SERVING
-while at least one worker accepts requests) and reflection (for grpcurl).
+while at least one worker accepts requests) and reflection (for grpcurl). With an API key, calls
+to pagedserve.v1 need it as `authorization: Bearer <key>` metadata (router.auth); health and
+reflection stay open.
 
 Prometheus metrics (common.metrics.RouterMetrics, in the router's own registry) are served at
 /metrics of the HTTP API and, with `metrics_port`, on a port of their own.
@@ -36,6 +38,7 @@ from common.grpc_server import create_server, listen
 from common.pb import generation_pb2
 from common.metrics import RouterMetrics, serve_metrics
 from router.admission import Admission, AdmissionConfig
+from router.auth import ApiKeyInterceptor
 from router.counters import RouterCounters
 from router.discovery import Discovery
 from router.fleet import Fleet, FleetConfig
@@ -76,7 +79,9 @@ class RouterConfig:
     discovery_refresh_s: float = 10.0
     shutdown_grace_s: float = 10.0  # how long running requests may finish on shutdown
     http_port: int | None = None    # the OpenAI-compatible HTTP API; None: off, 0: a free port
-    api_key: str | None = None      # required as "Authorization: Bearer <key>" on /v1 paths
+    # Required as "Authorization: Bearer <key>": the HTTP header on /v1 paths, gRPC metadata
+    # ("authorization") on pagedserve.v1 calls. None: both are open.
+    api_key: str | None = None
     allowed_origins: Sequence[str] = ()  # CORS: origins allowed to call the HTTP API ("*": any)
     # Prometheus /metrics on a port of its own (0: off), running until the process exits; for
     # scrapers that cannot reach the HTTP API (also at /metrics) or where it is off.
@@ -121,7 +126,10 @@ class Router:
         return f"{host}:{self.port}"
 
     async def start(self) -> None:
-        server = create_server([("grpc.max_receive_message_length", self.config.max_request_bytes)])
+        interceptors = ([ApiKeyInterceptor(self.config.api_key, generation_pb2.DESCRIPTOR.package)]
+                        if self.config.api_key else [])
+        server = create_server([("grpc.max_receive_message_length", self.config.max_request_bytes)],
+                               interceptors)
         server.add_generic_rpc_handlers((self.service.rpc_handler(),))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
@@ -212,13 +220,16 @@ async def serve(config: RouterConfig,
     """Runs a router until SIGINT, SIGTERM or `stop` is set, then stops it gracefully.
     `on_ready(router)` runs alongside once the router listens (and is cancelled at the end)."""
     router = Router(config)
-    await router.start()
     stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    ready = asyncio.create_task(on_ready(router)) if on_ready is not None else None
+    ready = None
     try:
+        # In the try: a port that cannot be listened on stops the servers already started
+        # (an HTTP port taken must not leave the gRPC server running).
+        await router.start()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        ready = asyncio.create_task(on_ready(router)) if on_ready is not None else None
         await stop.wait()
     finally:
         if ready is not None:

@@ -55,6 +55,11 @@ def test_abort_of_unknown_request_returns_false(engine):
     assert engine.abort("nope") is False
 
 
+def test_a_temperature_below_1e_5_gives_the_greedy_tokens(engine, ids):
+    tiny = generate(engine, [ids[0]], SamplingParams(temperature=1e-38, max_tokens=24, seed=1))
+    assert tiny == generate(engine, [ids[0]], greedy(24))
+
+
 def test_seeded_sampling_reproducible_across_runs_and_batch_company(make_engine, ids):
     alone = generate(make_engine(), [ids[3]], sampled(1234))["r0"]
     again = generate(make_engine(), [ids[3]], sampled(1234))["r0"]
@@ -261,3 +266,39 @@ def test_admitted_event_reported_once(make_engine, ids):
     while engine.has_unfinished():
         engine.step()
     assert [(e.request_id, e.kind) for e in engine.drain_events()] == [("a", "admitted")]
+
+
+def shared_prefix_workload(seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    """24 requests for a 3-block pool, most sharing a prefix of 1-2 blocks: prefix-cache hits
+    for requests that must wait."""
+    import random
+    rng = random.Random(seed)
+    prefix = [rng.randrange(1000, 40000) for _ in range(32)]
+    prompts = [prefix[:rng.choice([0, 16, 20, 32])] + [rng.randrange(1000, 40000) for _ in range(rng.randrange(1, 12))]
+               for _ in range(24)]
+    return prompts, [greedy(rng.randrange(1, 48 - len(p)), ignore_eos=True) for p in prompts]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_recompute_preemption_in_a_tiny_pool_always_progresses(make_engine, async_scheduling):
+    """Requests that wait hold no blocks (a prefix match is given back when they cannot be
+    admitted), so the running ones can always grow or preempt each other: all finish, and
+    greedy outputs equal a roomy run's. Before, waiting requests kept their matched prefix
+    blocks and the engine stopped stepping with 0 running and all 3 blocks held."""
+    prompts, params = shared_prefix_workload(seed=0)
+    roomy = generate(make_engine(num_blocks=256), prompts, params)
+    engine = make_engine(num_blocks=3, preemption_mode="recompute", max_num_batched_tokens=64,
+                         async_scheduling=async_scheduling)
+    for i, (ids, p) in enumerate(zip(prompts, params)):
+        engine.add_request(f"r{i}", ids, p)
+    got = {f"r{i}": [[]] for i in range(len(prompts))}
+    for _ in range(3000):
+        if not engine.has_unfinished():
+            break
+        for out in engine.step():
+            got[out.request_id][out.index] += out.new_token_ids
+        assert not any(seq.block_table for seq in engine.scheduler.waiting)
+    assert not engine.has_unfinished(), f"stalled: {engine.stats()}"
+    assert got == roomy
+    assert engine.stats().preemptions["recompute"] > 0
+    assert engine.blocks.num_free == engine.blocks.num_blocks

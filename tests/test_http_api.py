@@ -91,7 +91,8 @@ def model(client) -> str:
 def grpc_text(router: RouterProcess, request: pb.GenerateRequest) -> str:
     with grpc.insecure_channel(f"127.0.0.1:{router.grpc_port}") as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
-        return "".join(c.text for r in stub.Generate(request, timeout=60) for c in r.choices)
+        responses = stub.Generate(request, timeout=60, metadata=[("authorization", f"Bearer {API_KEY}")])
+        return "".join(c.text for r in responses for c in r.choices)
 
 
 def post(router: RouterProcess, path: str, body, key: str | None = API_KEY, **kw) -> httpx.Response:
@@ -193,10 +194,80 @@ def test_prompt_over_max_model_len_is_400(router, model):
     assert r.status_code == 400 and "prompt" in r.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("path,prompt,field", [
+    ("/v1/completions", {"prompt": PROMPT}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}, "max_completion_tokens"),
+])
+def test_max_tokens_past_the_context_is_400_naming_the_limit(router, model, path, prompt, field):
+    r = post(router, path, {"model": model, field: 10**9} | prompt)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == field and error["message"].startswith(f"{field}=1000000000 is too large")
+    assert "maximum context length is 2048 tokens" in error["message"]
+    assert " in the completion" in error["message"]
+
+
+def test_chat_without_max_tokens_is_not_cut_at_16_tokens(client, model):
+    chat = client.chat.completions.create(model=model, temperature=0,
+                                          messages=[{"role": "user", "content": "Count from 1 to 10."}])
+    assert chat.choices[0].finish_reason == "stop" and chat.usage.completion_tokens > 16
+
+
+def test_completion_without_max_tokens_stops_at_16_tokens(router, model):
+    r = post(router, "/v1/completions", {"model": model, "prompt": PROMPT, "ignore_eos": True})
+    assert r.json()["usage"]["completion_tokens"] == 16 and r.json()["choices"][0]["finish_reason"] == "length"
+
+
+def post_raw(router: RouterProcess, body: bytes, content_type: str = "application/json", **headers: str
+             ) -> httpx.Response:
+    return httpx.post(f"{router.url}/v1/completions", content=body, timeout=60, headers={
+        "Authorization": f"Bearer {API_KEY}", "Content-Type": content_type} | headers)
+
+
 def test_malformed_json_is_400(router):
-    r = httpx.post(f"{router.url}/v1/completions", content=b"{not json",
-                   headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+    r = post_raw(router, b"{not json")
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+
+
+def test_an_integer_too_long_to_read_is_400_naming_it(router):
+    r = post_raw(router, b'{"prompt": "Hi", "max_tokens": ' + b"7" * 5000 + b"}")
+    assert r.status_code == 400, r.text
+    assert "an integer of 5000 digits" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("charset", ["klingon", "latin-1", "utf-16"])
+def test_a_charset_other_than_utf8_is_415_naming_it(router, charset):
+    r = post_raw(router, b'{"prompt": "Hi", "max_tokens": 1}', f"application/json; charset={charset}")
+    assert r.status_code == 415, r.text
+    assert f"charset={charset}" in r.json()["error"]["message"] and "UTF-8" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("charset", ["utf-8", "UTF-8", '"utf-8"', "utf8"])
+def test_utf8_may_be_named_as_the_charset(router, charset):
+    r = post_raw(router, b'{"prompt": "Hi", "max_tokens": 1}', f"application/json; charset={charset}")
+    assert r.status_code == 200, r.text
+
+
+def test_a_body_that_is_not_utf8_is_400(router):
+    r = post_raw(router, b'{"prompt": "caf\xe9", "max_tokens": 1}')
+    assert r.status_code == 400 and "not valid UTF-8" in r.json()["error"]["message"], r.text
+
+
+def test_a_body_that_cannot_be_decompressed_is_400(router):
+    r = post_raw(router, b"not gzip at all", **{"Content-Encoding": "gzip"})
+    assert r.status_code == 400 and "content-encoding: gzip" in r.json()["error"]["message"], r.text
+
+
+@pytest.mark.parametrize("field,literal", [
+    ("temperature", b"1e999"), ("top_p", b"-1e999"), ("presence_penalty", b"NaN"),
+    ("repetition_penalty", b"Infinity"), ("min_p", b"1" + b"0" * 400), ("frequency_penalty", b"1" + b"0" * 30),
+])
+def test_a_number_out_of_a_float_field_range_is_400_naming_the_field(router, field, literal):
+    r = post_raw(router, b'{"prompt": "Hi", "max_tokens": 1, "' + field.encode() + b'": ' + literal + b"}")
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == field and "integer" not in error["message"], error
 
 
 def test_oversized_body_is_413(router, model):
@@ -295,7 +366,7 @@ def test_error_object_has_openai_types_and_string_or_null_code(router, model):
 
 
 def test_admission_size_error_names_no_bogus_param(router, model):
-    r = post(router, "/v1/completions", {"model": model, "prompt": PROMPT, "max_tokens": 8000, "n": 16})
+    r = post(router, "/v1/completions", {"model": model, "prompt": PROMPT, "max_tokens": 200, "n": 16})
     assert r.status_code == 400 and r.json()["error"]["param"] is None, r.text
 
 

@@ -36,6 +36,13 @@ def test_greedy_picks_argmax():
     assert draw(logits(ROW), batch(SamplingParams(temperature=0))).token_ids == [1]
 
 
+def test_a_temperature_too_small_to_divide_by_is_greedy_beside_sampled_rows():
+    # Logits of a real model's size: 30 / 1e-38 overflows float32, and softmax of inf is NaN.
+    row = [10 * x for x in ROW]
+    out = draw(logits(row, row), batch(SamplingParams(temperature=1e-38), SamplingParams(temperature=1.0)))
+    assert out.token_ids[0] == 1
+
+
 def test_top_k_one_equals_greedy_whatever_the_seed():
     draws = {draw(logits(ROW), batch(SamplingParams(temperature=2.0, top_k=1), seeds=[s])).token_ids[0]
              for s in range(20)}

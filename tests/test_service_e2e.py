@@ -68,6 +68,8 @@ WORKER_FLAGS = {
     # 12 blocks of 16 tokens: six requests of 60 tokens cannot all fit.
     "tiny-recompute": ["--num-blocks", "12", "--preemption-mode", "recompute"],
     "tiny-swap": ["--num-blocks", "12", "--preemption-mode", "swap", "--num-swap-blocks", "64"],
+    # 3 blocks: max_model_len 48, one request at a time.
+    "three-blocks": ["--num-blocks", "3", "--preemption-mode", "recompute"],
 }
 
 
@@ -235,6 +237,26 @@ def test_preempted_requests_complete_unchanged(mode, worker, reference):
             counters = router.counters
             assert getattr(counters, f"preemptions_{mode}") > 0, counters
             assert counters.redispatches == 0 and counters.migrations == 0
+    asyncio.run(scenario())
+
+
+def test_recompute_preemption_in_a_three_block_pool_finishes_every_request_unchanged(worker, reference):
+    """24 concurrent requests sharing a one-block prefix on a worker that holds one at a time:
+    this used to stop the worker for good after a few preemptions (waiting requests held the
+    blocks of their prefix matches, with nothing running left to preempt)."""
+    shared = "The lighthouse keeper climbed the spiral stairs every evening at dusk, counting each step aloud"
+    prompts = [f"{shared}, {i}:" for i in range(24)]
+    params = dict(max_tokens=16, ignore_eos=True)
+    expected = reference(prompts, SamplingParams(temperature=0.0, **params))
+
+    async def scenario():
+        async with running_router(worker("three-blocks"),
+                                  admission=AdmissionConfig(overcommit=24.0)) as router, \
+                client(router) as stub:
+            streams = await asyncio.wait_for(asyncio.gather(
+                *(read_stream(stub.Generate(greedy_request(p, **params))) for p in prompts)), 240)
+            assert [s.token_ids for s in streams] == [expected[p] for p in prompts]
+            assert router.counters.preemptions_recompute > 0, router.counters
     asyncio.run(scenario())
 
 
@@ -539,6 +561,93 @@ def test_tokenize_detokenize_model_info_and_health(worker, smollm_tokenizer):
             health = await health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service="pagedserve.v1.Generation"))
             assert health.status == health_pb2.HealthCheckResponse.SERVING
+    asyncio.run(scenario())
+
+
+# ------------------------------------------------------------------------------ API key
+
+API_KEY = "grpc-test-key"
+
+
+@contextlib.asynccontextmanager
+async def keyed_router() -> AsyncIterator[grpc.aio.Channel]:
+    """A channel to an in-process router started with an API key and no workers: a call the key
+    lets through gets UNAVAILABLE (ModelInfo answers), one it stops gets UNAUTHENTICATED."""
+    router = Router(RouterConfig(workers=[], host="127.0.0.1", port=0, api_key=API_KEY,
+                                 shutdown_grace_s=0.1))
+    await router.start()
+    try:
+        async with grpc.aio.insecure_channel(router.address) as channel:
+            yield channel
+    finally:
+        await router.stop()
+
+
+PUBLIC_CALLS = {
+    "Generate": lambda stub, **kw: read_stream(stub.Generate(pb.GenerateRequest(text="Hi"), **kw)),
+    "Tokenize": lambda stub, **kw: stub.Tokenize(pb.TokenizeRequest(text="Hi"), **kw),
+    "Detokenize": lambda stub, **kw: stub.Detokenize(pb.DetokenizeRequest(token_ids=[1]), **kw),
+    "ModelInfo": lambda stub, **kw: stub.ModelInfo(pb.ModelInfoRequest(), **kw),
+}
+
+
+@pytest.mark.parametrize("metadata", [(), (("authorization", "Bearer wrong"),),
+                                      (("authorization", API_KEY),)], ids=["none", "wrong", "no-scheme"])
+@pytest.mark.parametrize("method", PUBLIC_CALLS)
+def test_with_an_api_key_every_public_method_needs_it(method, metadata):
+    async def scenario():
+        async with keyed_router() as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            error = await rejected(PUBLIC_CALLS[method](stub, metadata=metadata))
+            assert error.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert "send the metadata 'authorization: Bearer <key>'" in error.details()
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("key, expected", [(API_KEY, "UNAVAILABLE"), (None, "UNAUTHENTICATED")])
+def test_the_complete_command_sends_its_api_key(key, expected, capsys):
+    """`pagedserve complete --api-key` gets past the key (then UNAVAILABLE: no worker here)."""
+    from common.cli import main
+
+    async def scenario():
+        router = Router(RouterConfig(workers=[], host="127.0.0.1", port=0, api_key=API_KEY,
+                                     shutdown_grace_s=0.1))
+        await router.start()
+        try:
+            args = ["complete", "Hi", "--address", router.address] + (["--api-key", key] if key else [])
+            assert await asyncio.to_thread(main, args) == 1
+        finally:
+            await router.stop()
+    asyncio.run(scenario())
+    assert f"pagedserve: {expected}:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("scheme", ["Bearer", "bearer", "BEARER"])
+def test_the_api_key_is_accepted_with_the_bearer_scheme_in_any_case(scheme):
+    async def scenario():
+        async with keyed_router() as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            info = await stub.ModelInfo(pb.ModelInfoRequest(),
+                                        metadata=(("authorization", f"{scheme} {API_KEY}"),))
+            assert info.ready_workers == 0
+            error = await rejected(read_stream(stub.Generate(
+                pb.GenerateRequest(text="Hi"), metadata=(("authorization", f"{scheme} {API_KEY}"),))))
+            assert error.code() == grpc.StatusCode.UNAVAILABLE   # past the key: no worker yet
+    asyncio.run(scenario())
+
+
+def test_health_and_reflection_need_no_api_key():
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    async def scenario():
+        async with keyed_router() as channel:
+            health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+            assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            call = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo()
+            await call.write(reflection_pb2.ServerReflectionRequest(list_services=""))
+            await call.done_writing()
+            services = [s.name for r in [r async for r in call] for s in r.list_services_response.service]
+            assert "pagedserve.v1.Generation" in services
     asyncio.run(scenario())
 
 

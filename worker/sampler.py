@@ -91,7 +91,9 @@ class SamplingBatch:
         # A greedy batch needs none of the per-row tensors: skip their host-to-device copies.
         needs = lambda flag, make: make() if flag else None  # noqa: E731
         return cls(
-            temperature=needs(not all_greedy, lambda: f32([p.temperature for p in params])),
+            # 0 for every greedy row, also one whose tiny temperature would overflow the logits.
+            temperature=needs(not all_greedy, lambda: f32([0.0 if p.greedy else p.temperature
+                                                            for p in params])),
             top_k=needs(not all_greedy, lambda: to_device(
                 [p.top_k if p.top_k > 0 else vocab_size for p in params], torch.long, device)),
             top_p=needs(not all_greedy, lambda: f32([p.top_p for p in params])),

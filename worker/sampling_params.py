@@ -3,6 +3,9 @@
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+# Temperatures below this are greedy, as in vLLM: dividing logits by a tiny one overflows float32
+# (1e-37 makes them inf, and their softmax NaN), and one this small is as good as greedy anyway.
+GREEDY_TEMPERATURE = 1e-5
 
 
 class InvalidRequest(ValueError):
@@ -12,7 +15,7 @@ class InvalidRequest(ValueError):
 @dataclass
 class SamplingParams:
     n: int = 1
-    temperature: float = 1.0          # 0 means greedy
+    temperature: float = 1.0          # below GREEDY_TEMPERATURE (0 too) means greedy
     top_p: float = 1.0
     top_k: int = -1                   # -1 disables
     min_p: float = 0.0
@@ -28,7 +31,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def counts_output_tokens(self) -> bool:
