@@ -15,13 +15,26 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import secrets
+import signal
+import socket
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+
+from common.ports import Listener, check_ports
 
 ENV_PREFIX = "PAGEDSERVE_"
 DEFAULT_ADDRESS = "localhost:50051"
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+WORKER_HOST = "127.0.0.1"   # where `serve --role all` runs its worker
+# The exit code of `python -m worker.server` when it refused to start and said why, as
+# argparse's is for a bad flag: `serve --role all` then adds nothing to the worker's message.
+WORKER_REFUSED = 2
+# `serve --role all` restarts a worker that fails, but a worker that fails more often than
+# this is broken, not unlucky: then it gives up.
+MAX_WORKER_RESTARTS = 3
+RESTART_WINDOW_S = 300.0
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -92,7 +105,9 @@ def _serve_parser() -> argparse.ArgumentParser:
     network.add_argument("--http-port", type=int, default=8000,
                          help="the router's OpenAI-compatible HTTP API port (-1: off)")
     network.add_argument("--api-key", default=None,
-                         help="require 'Authorization: Bearer <key>' on the HTTP API's /v1 paths")
+                         help="require 'Authorization: Bearer <key>': the header on the HTTP "
+                              "API's /v1 paths, the metadata 'authorization' on gRPC "
+                              "pagedserve.v1 calls (gRPC health and reflection stay open)")
     network.add_argument("--allowed-origins", nargs="+", metavar="ORIGIN", default=[],
                          help="CORS: browser origins allowed to call the HTTP API ('*': any)")
     network.add_argument("--workers", nargs="+", metavar="TARGET",
@@ -116,6 +131,10 @@ def _serve_parser() -> argparse.ArgumentParser:
     router.add_argument("--migrate-on-preemption", action=argparse.BooleanOptionalAction,
                         default=True, help="move a request preempted for recompute to a worker "
                                            "with clearly more free KV blocks")
+    router.add_argument("--worker-timeout", type=float, default=5.0,
+                        help="seconds without a message from a worker (it reports its load 5 "
+                             "times a second) after which it counts as lost: a frozen worker's "
+                             "requests then move to another worker")
     router.add_argument("--shutdown-grace", type=float, default=10.0,
                         help="seconds running requests may finish when the router stops")
     logs = parser.add_argument_group("logs")
@@ -131,7 +150,21 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     if args.role == "router" and not args.workers:
         parser.error("--role router needs --workers (for example --workers 10.0.0.7:50061)")
+    if args.worker_timeout <= 0:
+        parser.error(f"--worker-timeout {args.worker_timeout:g} must be above 0 seconds")
     setup_logging(args.log_level, args.log_format)
+    # Before the model loads, which can take minutes: a taken port is refused at once.
+    check_ports(_listeners(args))
+    try:
+        return _serve_role(args, parser)
+    except ValueError as error:
+        # A bad model path or setting: the loader's ModelLoadError and the engine's and the
+        # router's checks are ValueErrors whose message names it. Any other exception is a bug
+        # and keeps its traceback.
+        raise SystemExit(f"pagedserve: {error}") from error
+
+
+def _serve_role(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.role == "worker":
         from worker.server import engine_config_from_args, run_worker
         run_worker(engine_config_from_args(args), args.host, args.worker_port,
@@ -154,8 +187,21 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         tracing.shutdown_tracing()  # exports the spans still buffered
 
 
+def _listeners(args: argparse.Namespace) -> list[Listener]:
+    """Every port `serve` cannot serve without, its worker's included with --role all. Not
+    --metrics-port: without it a process still serves (common.metrics.serve_metrics logs that
+    it is taken), and several processes on one host are run on its default."""
+    if args.role == "worker":
+        return [("--worker-port", args.host, args.worker_port)]
+    router = [("--port", args.host, args.port), ("--http-port", args.host, args.http_port)]
+    if args.role == "router":
+        return router
+    return [*router, ("--worker-port", WORKER_HOST, args.worker_port)]
+
+
 def _router_config(args: argparse.Namespace, workers: Sequence[str]):
     from router.admission import AdmissionConfig
+    from router.fleet import FleetConfig
     from router.generate import RunConfig
     from router.server import RouterConfig
 
@@ -167,6 +213,7 @@ def _router_config(args: argparse.Namespace, workers: Sequence[str]):
                                   max_queue_len=args.max_queue_len,
                                   max_wait_s=args.max_queue_wait),
         run=RunConfig(migrate_on_preemption=args.migrate_on_preemption),
+        fleet=FleetConfig(silence_timeout_s=args.worker_timeout),
         shutdown_grace_s=args.shutdown_grace,
         http_port=None if args.http_port < 0 else args.http_port,
         # With --role all the worker has --metrics-port; the router's are then on the HTTP API.
@@ -175,37 +222,113 @@ def _router_config(args: argparse.Namespace, workers: Sequence[str]):
 
 
 async def _serve_all(args: argparse.Namespace) -> int:
-    """A worker subprocess on loopback and the router in this process. Ctrl-C stops the router
-    first (running requests get the grace period), then the worker."""
+    """A worker subprocess on loopback, restarted when it fails, and the router in this process.
+    Ctrl-C stops the router first (running requests get the grace period), then the worker."""
     from router.server import serve
 
-    address = f"127.0.0.1:{args.worker_port}"
-    name = ["--served-model-name", args.served_model_name[0]] if args.served_model_name else []
-    # The engine settings travel as the worker's own PAGEDSERVE_* variables; its own session
-    # keeps a terminal's Ctrl-C from reaching it before the router has finished.
-    worker = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "worker.server", "--host", "127.0.0.1",
-        "--port", str(args.worker_port), "--metrics-port", str(args.metrics_port), *name,
-        env={**os.environ, **_engine_env(args)}, start_new_session=True)
+    worker = _SupervisedWorker(args)
+    stop = asyncio.Event()
+    # From the start, not only once the router serves: Ctrl-C or SIGTERM while the worker
+    # loads must stop it too, as nothing else would (it runs in a session of its own).
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     try:
-        await _wait_until_serving(address, worker)
-        stop = asyncio.Event()
-        worker_exit = asyncio.create_task(worker.wait())
-        worker_exit.add_done_callback(lambda _: stop.set())
-        await serve(_router_config(args, [address]), on_ready=_announce, stop=stop)
-        if worker.returncode is not None:
-            print(f"pagedserve: the worker exited with code {worker.returncode}",
-                  file=sys.stderr)
-            return 1
+        started = await _until_stopped(stop, worker.start())
+        if started is None:     # stopped while the worker loaded
+            return 0
+        if not started:
+            return worker.start_failed()
+        supervision = asyncio.create_task(worker.supervise())
+        supervision.add_done_callback(lambda _: stop.set())
+        await serve(_router_config(args, [worker.address]), on_ready=_announce, stop=stop)
+        if supervision.done():
+            return supervision.result()     # or raises what ended it: a taken port
+        supervision.cancel()                # stopped by Ctrl-C or SIGTERM
+        await asyncio.wait([supervision])
         return 0
     finally:
-        if worker.returncode is None:
-            worker.terminate()  # the worker drains and stops
-            try:
-                await asyncio.wait_for(worker.wait(), 30)
-            except asyncio.TimeoutError:
-                worker.kill()
-                await worker.wait()
+        await worker.stop()
+
+
+async def _until_stopped(stop: asyncio.Event, work: Awaitable[bool]) -> bool | None:
+    """What work returns, or None (work cancelled) if stop is set first."""
+    task = asyncio.ensure_future(work)
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([task, stopped], return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    await asyncio.wait([task])
+    return None
+
+
+class _SupervisedWorker:
+    """The worker subprocess of `serve --role all`."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.address = f"{WORKER_HOST}:{args.worker_port}"
+        self.process: asyncio.subprocess.Process | None = None
+        self._failures: list[float] = []    # loop times of its failures in the last window
+
+    async def start(self) -> bool:
+        """Starts a worker and waits until it serves: True, or False if it exited first."""
+        # Again at every start: another server may have taken the port since the last one.
+        check_ports([("--worker-port", WORKER_HOST, self.args.worker_port)])
+        # A new id each time, which the worker must report: the proof that the one answering
+        # on the port is this one, not a stranger that took the port while it was loading.
+        worker_id = f"worker-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+        name = (["--served-model-name", self.args.served_model_name[0]]
+                if self.args.served_model_name else [])
+        # The engine settings travel as the worker's own PAGEDSERVE_* variables; its own
+        # session keeps a terminal's Ctrl-C from reaching it before the router has finished.
+        self.process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "worker.server", "--host", WORKER_HOST,
+            "--port", str(self.args.worker_port), "--worker-id", worker_id,
+            "--metrics-port", str(self.args.metrics_port), *name,
+            env={**os.environ, **_engine_env(self.args)}, start_new_session=True)
+        return await _wait_until_serving(self.address, self.process, worker_id)
+
+    def start_failed(self) -> int:
+        """serve's exit code when the first worker exited before serving; says so unless the
+        worker said why itself."""
+        if self.process.returncode == WORKER_REFUSED:
+            return WORKER_REFUSED
+        print(f"pagedserve: the worker exited with code {self.process.returncode} before "
+              "serving (its log is above)", file=sys.stderr)
+        return 1
+
+    async def supervise(self) -> int:
+        """Restarts the worker whenever it fails, until it stops by itself (SIGTERM drains a
+        worker, then it exits with 0) or fails more than MAX_WORKER_RESTARTS times within
+        RESTART_WINDOW_S; returns serve's exit code then."""
+        loop = asyncio.get_running_loop()
+        while True:
+            code = await self.process.wait()
+            if code == 0:
+                print("pagedserve: the worker exited with code 0", file=sys.stderr)
+                return 1
+            now = loop.time()
+            self._failures = [t for t in self._failures if now - t < RESTART_WINDOW_S] + [now]
+            if len(self._failures) > MAX_WORKER_RESTARTS:
+                print(f"pagedserve: the worker exited with code {code}: {len(self._failures)} "
+                      f"failures within {RESTART_WINDOW_S:g} s; giving up", file=sys.stderr)
+                return 1
+            print(f"pagedserve: the worker exited with code {code}; restarting it",
+                  file=sys.stderr, flush=True)
+            await self.start()
+
+    async def stop(self) -> None:
+        """Stops the worker if it runs: it drains and exits (or is killed after 30 s)."""
+        if self.process is None or self.process.returncode is not None:
+            return
+        self.process.terminate()
+        try:
+            await asyncio.wait_for(self.process.wait(), 30)
+        except asyncio.TimeoutError:
+            self.process.kill()
+            await self.process.wait()
 
 
 def _engine_env(args: argparse.Namespace) -> dict[str, str]:
@@ -218,11 +341,15 @@ def _engine_env(args: argparse.Namespace) -> dict[str, str]:
             for name in names if getattr(args, name) is not None}
 
 
-async def _wait_until_serving(address: str, worker: asyncio.subprocess.Process,
-                              timeout_s: float = 1800.0) -> None:
-    """Polls the worker's gRPC health until SERVING (loading a model can take minutes)."""
+async def _wait_until_serving(address: str, worker: asyncio.subprocess.Process, worker_id: str,
+                              timeout_s: float = 1800.0) -> bool:
+    """Polls the worker's gRPC health until SERVING (loading a model can take minutes): True
+    then, False if the worker exits first. Raises OSError if what serves at `address` is not
+    the worker `worker_id`, TimeoutError (an OSError too) if nothing serves in time."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from common.pb import worker_pb2, worker_pb2_grpc
 
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
@@ -233,16 +360,20 @@ async def _wait_until_serving(address: str, worker: asyncio.subprocess.Process,
         health = health_pb2_grpc.HealthStub(channel)
         while loop.time() < deadline:
             if worker.returncode is not None:
-                raise SystemExit(f"pagedserve: the worker exited with code {worker.returncode} "
-                                 "before serving (its log is above)")
+                return False
             try:
                 reply = await health.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
+                    info = await worker_pb2_grpc.WorkerStub(channel).Info(
+                        worker_pb2.InfoRequest(), timeout=5.0)
+                    if info.worker_id != worker_id:
+                        raise OSError(f"a worker this process did not start ({info.worker_id}) "
+                                      f"answers at {address}; choose another --worker-port")
+                    return True
             except grpc.aio.AioRpcError:
                 pass  # not listening yet
             await asyncio.sleep(0.5)
-    raise SystemExit(f"pagedserve: the worker at {address} did not serve within {timeout_s:g} s")
+    raise TimeoutError(f"the worker at {address} did not serve within {timeout_s:g} s")
 
 
 async def _announce(router) -> None:
@@ -273,6 +404,7 @@ def _client_parser(command: str, prompt_help: str) -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, help="same seed, same output")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--timeout", type=float, help="deadline in seconds")
+    parser.add_argument("--api-key", help="the router's --api-key, if it has one")
     if command == "chat":
         parser.add_argument("--system", help="a system message before yours")
     apply_env(parser)
@@ -309,7 +441,8 @@ def _stream(args: argparse.Namespace, request) -> int:
     with grpc.insecure_channel(args.address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         try:
-            for response in stub.Generate(request, timeout=args.timeout):
+            metadata = [("authorization", f"Bearer {args.api_key}")] if args.api_key else None
+            for response in stub.Generate(request, timeout=args.timeout, metadata=metadata):
                 for choice in response.choices:
                     sys.stdout.write(choice.text)
                     if choice.finish_reason:
