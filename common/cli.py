@@ -22,15 +22,12 @@ import sys
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
+from common.env_flags import ENV_PREFIX, apply_env
 from common.ports import Listener, check_ports
+from worker.flags import WORKER_REFUSED, add_engine_args, engine_config_from_args
 
-ENV_PREFIX = "PAGEDSERVE_"
 DEFAULT_ADDRESS = "localhost:50051"
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 WORKER_HOST = "127.0.0.1"   # where `serve --role all` runs its worker
-# The exit code of `python -m worker.server` when it refused to start and said why, as
-# argparse's is for a bad flag: `serve --role all` then adds nothing to the worker's message.
-WORKER_REFUSED = 2
 # `serve --role all` restarts a worker that fails, but a worker that fails more often than
 # this is broken, not unlucky: then it gives up.
 MAX_WORKER_RESTARTS = 3
@@ -41,48 +38,9 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescrip
     """Shows defaults and keeps the descriptions' line breaks."""
 
 
-def _env_name(action: argparse.Action) -> str:
-    return ENV_PREFIX + action.option_strings[0].lstrip("-").upper().replace("-", "_")
-
-
-def apply_env(parser: argparse.ArgumentParser) -> None:
-    """Makes PAGEDSERVE_<FLAG> the default of every --flag, and names the variable in --help.
-
-    argparse has no public list of a parser's actions; `_actions` is the stable way to get it.
-    """
-    for action in parser._actions:
-        if not action.option_strings or action.dest == "help":
-            continue
-        name = _env_name(action)
-        action.help = f"{action.help or ''} [env {name}]".strip()
-        raw = os.environ.get(name)
-        if raw is None:
-            continue
-        try:
-            action.default = _parse_env(action, raw)
-        except ValueError as error:
-            parser.error(f"environment variable {name}={raw!r} is invalid: {error}")
-
-
-def _parse_env(action: argparse.Action, raw: str) -> object:
-    if action.nargs == 0:  # a switch
-        if raw.lower() not in _TRUE + _FALSE:
-            raise ValueError(f"use one of {', '.join(_TRUE + _FALSE)}")
-        return raw.lower() in _TRUE
-    convert = action.type or str
-    values = ([convert(v) for v in raw.replace(",", " ").split()]
-              if action.nargs in ("+", "*") else [convert(raw)])
-    for value in values:
-        if action.choices is not None and value not in action.choices:
-            raise ValueError(f"{value!r} is not one of {', '.join(map(str, action.choices))}")
-    return values if action.nargs in ("+", "*") else values[0]
-
-
 # ------------------------------------------------------------------------------ serve
 
 def _serve_parser() -> argparse.ArgumentParser:
-    from worker.server import add_engine_args  # imports torch: only `serve` pays for it
-
     parser = argparse.ArgumentParser(
         prog="pagedserve serve", formatter_class=_HelpFormatter,
         description="Serve a model over gRPC (pagedserve.v1.Generation).\n\n"
@@ -166,7 +124,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 def _serve_role(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.role == "worker":
-        from worker.server import engine_config_from_args, run_worker
+        from worker.server import run_worker     # imports torch: only a worker pays for it
         run_worker(engine_config_from_args(args), args.host, args.worker_port,
                    model_name=(args.served_model_name or [None])[0],
                    metrics_port=args.metrics_port)
@@ -332,8 +290,6 @@ class _SupervisedWorker:
 
 
 def _engine_env(args: argparse.Namespace) -> dict[str, str]:
-    from worker.server import add_engine_args
-
     engine = argparse.ArgumentParser(add_help=False)
     add_engine_args(engine)
     names = vars(engine.parse_args([])).keys()

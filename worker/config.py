@@ -2,8 +2,6 @@
 
 from dataclasses import dataclass, field
 
-import torch
-
 
 @dataclass
 class ModelConfig:
@@ -29,20 +27,6 @@ class ModelConfig:
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V per token over all layers, for an element size of 1."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
-
-
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
-          "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16}
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """`auto` is bfloat16 on a GPU and float32 on the CPU (CPU half matmuls are slow)."""
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if name not in DTYPES:
-        raise ValueError(f"dtype={name!r} is not supported; use auto, {', '.join(DTYPES)}")
-    return DTYPES[name]
 
 
 @dataclass

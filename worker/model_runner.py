@@ -15,18 +15,32 @@ import torch
 
 from kernels.attention import gather_plan
 from kernels.cache import copy_blocks, swap_blocks
-from worker.config import EngineConfig, ModelConfig, resolve_dtype
+from worker.config import EngineConfig, ModelConfig
 from worker.context import AttentionMetadata, set_context
 from worker.cuda_graphs import DecodeGraphs
 from worker.kv_pool import allocate_kv_cache
 from worker.models.loader import ModelSource, load_model
-from worker.parallel import Shard, min_over_ranks
-from worker.ranks import StepArrays, StepChannel, device_for
+from worker.parallel import Shard, device_for, min_over_ranks
 from worker.sampler import SampledTokens, SamplingBatch, sample
 from worker.scheduler import ScheduledSeq
+from worker.step_channel import StepArrays, StepChannel
 from worker.transfer import to_device
 
 log = logging.getLogger("pagedserve.worker")
+
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+          "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16}
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`auto` is bfloat16 on a GPU and float32 on the CPU (CPU half matmuls are slow)."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"dtype={name!r} is not supported; use auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
 
 
 def resolve_device(name: str) -> torch.device:

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from worker.config import EngineConfig
+
 
 @dataclass(frozen=True)
 class Shard:
@@ -98,3 +100,10 @@ def min_over_ranks(value: int, shard: Shard, device: torch.device) -> int:
     t = torch.tensor([value], dtype=torch.long, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return int(t.item())
+
+
+def device_for(config: EngineConfig, rank: int) -> torch.device:
+    """Rank r of a GPU worker uses GPU r (CUDA_VISIBLE_DEVICES picks which ones those are)."""
+    if config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    return torch.device("cuda", rank)

@@ -1,11 +1,8 @@
-"""The ranks of a tensor-parallel worker: their processes, and the channel rank 0 drives them by.
+"""The ranks of a tensor-parallel worker: their processes, started and watched by rank 0.
 
 Rank 0 is the worker: it schedules, serves RPC and samples. Ranks 1..N-1 are processes it
 spawns, each holding its slices of the weights and of the KV pool; they run what rank 0
-sends and take part in the layers' collectives. Each device operation goes out as two
-broadcasts of int64 tensors (a fixed header, then the operation's arrays), so no Python
-object is pickled per step; the step's arrays are rank 0's device tensors, pending tokens
-already in place, so the broadcast queues behind rank 0's work without a host sync.
+sends over the step channel (worker.step_channel) and take part in the layers' collectives.
 """
 
 import ctypes
@@ -24,101 +21,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from worker.config import EngineConfig
-from worker.context import AttentionMetadata
+from worker.model_runner import ModelRunner
 from worker.models.loader import ModelSource, load_config
-from worker.parallel import Shard, check_splittable
-from worker.transfer import to_device
+from worker.parallel import Shard, check_splittable, device_for
+from worker.step_channel import COPY, STEP, STOP, SWAP, StepChannel
 
 log = logging.getLogger("pagedserve.worker")
-
-STEP, COPY, SWAP, STOP = 1, 2, 3, 4
-HEADER = 8
-
-
-@dataclass
-class StepArrays:
-    """One step's inputs as every rank needs them: `rows` are the hidden rows whose logits
-    are computed (None: no logits this step)."""
-
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    metadata: AttentionMetadata
-    rows: torch.Tensor | None
-
-
-class StepChannel:
-    """Rank 0's side sends, the others' side receives; the same class on both."""
-
-    def __init__(self, device: torch.device, shard: Shard):
-        self.device, self.shard = device, shard
-
-    # ---------------------------------------------------------------- rank 0
-
-    def send_step(self, step: StepArrays) -> None:
-        md = step.metadata
-        rows = step.rows if step.rows is not None else step.input_ids[:0]
-        block_tables = md.block_tables.flatten()
-        self._send([STEP, step.input_ids.numel(), md.seq_lens.numel(), md.block_tables.shape[1],
-                    -1 if step.rows is None else rows.numel(), md.max_query_len, md.max_seq_len],
-                   [step.input_ids, step.positions, md.slot_mapping, md.seq_lens, md.query_start_loc,
-                    block_tables, rows])
-
-    def send_copies(self, pairs: torch.Tensor) -> None:
-        self._send([COPY, pairs.shape[0]], [pairs.flatten()])
-
-    def send_swaps(self, moves: list[tuple[str, int, int]]) -> None:
-        flat = [x for direction, a, b in moves for x in (direction == "in", a, b)]
-        self._send([SWAP, len(moves)], [to_device(flat, torch.long, self.device)])
-
-    def send_stop(self) -> None:
-        self._send([STOP], [])
-
-    def _send(self, header: list[int], arrays: list[torch.Tensor]) -> None:
-        head = to_device(header + [0] * (HEADER - len(header)), torch.long, self.device)
-        dist.broadcast(head, src=0)
-        if arrays:
-            payload = torch.cat([a.to(self.device, torch.long).flatten() for a in arrays])
-            dist.broadcast(payload, src=0)
-
-    # ---------------------------------------------------------------- ranks 1..N-1
-
-    def receive(self) -> tuple[int, list[int], torch.Tensor | None]:
-        head = torch.empty(HEADER, dtype=torch.long, device=self.device)
-        dist.broadcast(head, src=0)
-        header = head.tolist()
-        size = self._payload_size(header)
-        if size is None:
-            return header[0], header, None
-        payload = torch.empty(size, dtype=torch.long, device=self.device)
-        dist.broadcast(payload, src=0)
-        return header[0], header, payload
-
-    @staticmethod
-    def _payload_size(header: list[int]) -> int | None:
-        op = header[0]
-        if op == STEP:
-            n_tokens, n_seqs, max_blocks, n_rows = header[1:5]
-            return 3 * n_tokens + 2 * n_seqs + 1 + n_seqs * max_blocks + max(n_rows, 0)
-        if op == COPY:
-            return 2 * header[1]
-        if op == SWAP:
-            return 3 * header[1]
-        return None
-
-    @staticmethod
-    def unpack_step(header: list[int], payload: torch.Tensor) -> StepArrays:
-        n_tokens, n_seqs, max_blocks, n_rows, max_query_len, max_seq_len = header[1:7]
-        sizes = [n_tokens, n_tokens, n_tokens, n_seqs, n_seqs + 1, n_seqs * max_blocks, max(n_rows, 0)]
-        ids, positions, slots, seq_lens, starts, tables, rows = payload.split(sizes)
-        metadata = AttentionMetadata(
-            slot_mapping=slots, block_tables=tables.view(n_seqs, max_blocks).int(), seq_lens=seq_lens.int(),
-            query_start_loc=starts.int(), max_query_len=max_query_len, max_seq_len=max_seq_len)
-        return StepArrays(ids, positions, metadata, rows if n_rows >= 0 else None)
-
-    @staticmethod
-    def unpack_swaps(payload: torch.Tensor) -> list[tuple[str, int, int]]:
-        return [("in" if d else "out", a, b) for d, a, b in payload.view(-1, 3).tolist()]
-
 
 @dataclass
 class Ranks:
@@ -166,13 +74,6 @@ class Ranks:
         dist.destroy_process_group()
 
 
-def device_for(config: EngineConfig, rank: int) -> torch.device:
-    """Rank r of a GPU worker uses GPU r (CUDA_VISIBLE_DEVICES picks which ones those are)."""
-    if config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available()):
-        return torch.device("cpu")
-    return torch.device("cuda", rank)
-
-
 def launch(config: EngineConfig, source: ModelSource) -> Ranks:
     """Checks that the model splits over `tensor_parallel_size` ranks, starts ranks 1..N-1 and
     joins the process group as rank 0."""
@@ -209,7 +110,6 @@ def _join_group(device: torch.device, rank: int, size: int, address: str) -> Non
 
 def _rank_main(rank: int, config: EngineConfig, source: ModelSource, address: str) -> None:
     """Rank 1..N-1: load the slices, then run what rank 0 sends until it says stop."""
-    from worker.model_runner import ModelRunner
     if sys.platform == "linux":   # die with rank 0, even when it is killed outright
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)      # 1: PR_SET_PDEATHSIG
     device = device_for(config, rank)

@@ -1,0 +1,353 @@
+"""The engine's thread and what it keeps per router session and per request.
+
+The engine runs on its own thread (`EngineLoop`); RPC handlers never touch it directly but
+queue commands that the engine thread runs between steps, so a slow client or a burst of
+RPCs never stalls a step. After each step the engine thread hands every session one
+`StepOutput` with the deltas of all its requests; the asyncio side writes them. Request ids
+are namespaced per session, so two routers can use the same ids.
+
+Metrics and traces are recorded on the engine thread from what it already has in hand: the
+step's plan and outputs, the engine's lifecycle events and one `RequestRecord` per request
+(arrival, first token, tokens, span). Gauges are read from the latest `EngineStats` at scrape
+time. See docs/observability.md.
+"""
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from opentelemetry.trace import Span, SpanKind
+
+from common import tracing
+from common.convert import sampling_params_from_proto
+from common.metrics import WorkerMetrics
+from common.pb import worker_pb2 as pb
+from worker import faults
+from worker.engine import EngineEvent, EngineStats, LLMEngine, RequestOutput
+from worker.sampling_params import InvalidRequest
+from worker.sequence import FinishReason
+
+log = logging.getLogger("pagedserve.worker")
+
+FINISH = {FinishReason.STOP: pb.FINISH_REASON_STOP, FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+          FinishReason.ABORT: pb.FINISH_REASON_ABORT, None: pb.FINISH_REASON_NONE}
+MODES = {"swap": pb.PREEMPTION_MODE_SWAP, "recompute": pb.PREEMPTION_MODE_RECOMPUTE, None: 0}
+EVENT_KINDS = {"admitted": pb.EVENT_KIND_ADMITTED, "preempted": pb.EVENT_KIND_PREEMPTED,
+               "resumed": pb.EVENT_KIND_RESUMED}
+
+
+@dataclass(eq=False)
+class Session:
+    """One router's stream: its requests (engine keys) and its outbox."""
+    session_id: str
+    loop: asyncio.AbstractEventLoop
+    outbox: asyncio.Queue = field(default_factory=asyncio.Queue)
+    keys: set[str] = field(default_factory=set)
+    router_id: str = ""
+
+    def key(self, request_id: str) -> str:
+        return f"{self.session_id}/{request_id}"
+
+    def send(self, message: pb.WorkerMessage | None) -> None:
+        """Thread-safe: queues a message (None closes the stream) for the session's writer."""
+        self.loop.call_soon_threadsafe(self.outbox.put_nowait, message)
+
+
+@dataclass(eq=False, slots=True)
+class RequestRecord:
+    """What the metrics and the trace need about one request, kept on the engine thread."""
+    received: float                     # time.monotonic() when its Submit was read
+    prompt_tokens: int
+    span: Span | None                   # None when tracing is off
+    first_token: float | None = None
+    num_output: int = 0                 # tokens generated here (not those it arrived with)
+
+    def ttft_s(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.received
+
+
+def _delta(request_id: str, out: RequestOutput) -> pb.RequestDelta:
+    delta = pb.RequestDelta(request_id=request_id, new_token_ids=out.new_token_ids,
+                            finish_reason=FINISH[out.finish_reason], num_prompt_tokens=out.num_prompt_tokens)
+    for chosen, top in out.logprobs or ():
+        delta.logprobs.add(logprob=chosen, top_token_ids=[t for t, _ in top], top_logprobs=[lp for _, lp in top])
+    return delta
+
+
+def _event(request_id: str, kind: int, mode: str | None = None, message: str = "",
+           worker_fault: bool = False) -> pb.WorkerMessage:
+    return pb.WorkerMessage(event=pb.Event(request_id=request_id, kind=kind, mode=MODES[mode], message=message,
+                                           worker_fault=worker_fault))
+
+
+class EngineLoop:
+    """Owns the engine on a dedicated thread; everything else talks to it with `call`.
+
+    A step that raises is an engine fault (see worker.faults): the loop steps no more, hands
+    every request back to its router as a drain does, and calls `on_fault`, after which the
+    worker exits. `last_progress` (when the engine last advanced, or had nothing it could
+    advance) is what the watchdog reads."""
+
+    def __init__(self, engine: LLMEngine, metrics: WorkerMetrics, model_name: str):
+        self.engine = engine
+        self.commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self.wake = threading.Event()
+        self.owner: dict[str, Session] = {}        # engine key -> session
+        self.records: dict[str, RequestRecord] = {}  # engine key -> record, for every owned key
+        self.draining = False
+        self.fault: str | None = None              # what broke the engine, once it has
+        self.on_fault: Callable[[str], None] = lambda message: None
+        self.last_progress = time.monotonic()
+        self.stalled = False                       # set by the watchdog
+        self.stats: EngineStats = engine.stats()
+        self.metrics = metrics
+        self.model_name = model_name
+        self.tracing = tracing.enabled()
+        self.injection = faults.FaultInjection.from_env()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped = True
+        self.wake.set()
+        self._thread.join(timeout=10)
+
+    def call(self, command: Callable[[], None]) -> None:
+        self.commands.put(command)
+        self.wake.set()
+
+    # ------------------------------------------------------------ the thread
+
+    def _run(self) -> None:
+        while not self._stopped:
+            self.wake.clear()
+            self._run_commands()
+            progressed = self.fault is None and self.engine.has_unfinished() and self._step()
+            if self.fault is None:
+                self.stats = self.engine.stats()
+                if progressed or not self.engine.has_runnable():
+                    self.last_progress = time.monotonic()
+            if not progressed and not self.commands.qsize():
+                # Nothing ran (idle, only held/unfittable work, or faulted): sleep until a command.
+                self.wake.wait(timeout=0.05 if self.engine.has_unfinished() else 1.0)
+
+    def _step(self) -> bool:
+        """Runs one engine step and publishes what it produced; whether it advanced anything."""
+        started = time.monotonic()
+        try:
+            if self.injection is not None:
+                self.injection.before_step(self.engine.num_steps + 1)
+            outputs = self.engine.step()
+        except Exception as error:
+            self._engine_fault(error)
+            return False
+        self._observe_step(started, len(outputs))
+        self._publish(outputs, started)
+        # A prompt chunk reports no tokens, nor does the first step launched after an idle
+        # spell: both are progress, to be followed at once.
+        return bool(outputs or self.engine.last_plan.scheduled)
+
+    def _engine_fault(self, error: Exception) -> None:
+        """Gives up the engine after a failed step: hands every request back, then `on_fault`."""
+        kind = "device fault" if faults.is_device_fault(error) else "engine fault"
+        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        self.fault = f"{kind} in step {self.engine.num_steps + 1}: {first_line}"
+        # A device fault's Python traceback says nothing; an engine fault is a bug to find.
+        log.error("%s; handing %d requests back to their routers and exiting", self.fault,
+                  len(self.owner), exc_info=None if kind == "device fault" else error)
+        self._hand_back(self.fault, worker_fault=True)
+        self.on_fault(self.fault)
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                command = self.commands.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                command()
+            except Exception:
+                log.exception("worker command failed")
+
+    def _observe_step(self, started: float, num_outputs: int) -> None:
+        plan = self.engine.last_plan
+        # One token per output. A step that scheduled nothing (only swaps ran, nothing fitted,
+        # or it only read the step before) still reports that step's tokens.
+        self.metrics.step(time.monotonic() - started, plan.num_tokens, len(plan.scheduled), num_outputs)
+
+    def _trace_step(self, started: float, now: float) -> None:
+        """Adds the step's prompt chunks and first tokens to the requests' spans."""
+        chunk_at = tracing.span_time_ns(started)
+        for s in self.engine.last_plan.scheduled:
+            record = self.records.get(s.seq.request_id)
+            if record is None or record.span is None:
+                continue
+            start = s.seq.num_computed - s.num_tokens      # num_computed already counts this chunk
+            if start < s.seq.prompt_len:
+                record.span.add_event("prefill_chunk", {"pagedserve.chunk.start": start,
+                                                        "pagedserve.chunk.tokens": s.num_tokens}, chunk_at)
+            if record.first_token == now:
+                record.span.add_event("first_token", timestamp=tracing.span_time_ns(now))
+
+    def _publish(self, outputs: list[RequestOutput], step_started: float | None = None) -> None:
+        """Sends a step's deltas and the engine's events; `step_started` is when the scheduler
+        decided those events (None: just now, outside a step)."""
+        now = time.monotonic()
+        by_session: dict[Session, list] = {}
+        finished = []
+        for out in outputs:
+            session = self.owner.get(out.request_id)
+            if session is None:
+                continue
+            request_id = out.request_id.split("/", 1)[1]
+            by_session.setdefault(session, []).append(_delta(request_id, out))
+            record = self.records[out.request_id]
+            if record.first_token is None:
+                record.first_token = now
+                self.metrics.first_token(now - record.received, out.num_prompt_tokens)
+            record.num_output += len(out.new_token_ids)
+            if out.finish_reason is not None:
+                finished.append((session, out.request_id, request_id, out.finish_reason.value))
+        for session, deltas in by_session.items():
+            session.send(pb.WorkerMessage(step=pb.StepOutput(step_index=self.engine.num_steps, deltas=deltas)))
+        events_at = now if step_started is None else step_started
+        for event in self.engine.drain_events():
+            session = self.owner.get(event.request_id)
+            if session is not None:
+                session.send(_event(event.request_id.split("/", 1)[1], EVENT_KINDS[event.kind], event.mode))
+                self._observe_event(self.records[event.request_id], event, events_at)
+        if self.tracing and step_started is not None:
+            self._trace_step(step_started, now)     # after "admitted", before the span may end
+        for session, key, request_id, reason in finished:
+            self._forget(key, reason)
+            session.send(_event(request_id, pb.EVENT_KIND_FINISHED))
+
+    def _observe_event(self, record: RequestRecord, event: EngineEvent, at: float) -> None:
+        if event.kind == "admitted":
+            self.metrics.admitted(at - record.received)
+        if record.span is not None:
+            attributes = {"pagedserve.preemption.mode": event.mode} if event.mode else None
+            record.span.add_event(event.kind, attributes, tracing.span_time_ns(at))
+
+    def _forget(self, key: str, reason: str, error: str | None = None) -> None:
+        """Drops a request the worker no longer holds; `reason` is how it left (a
+        WORKER_FINISH_REASONS value), `error` what went wrong when it failed."""
+        session = self.owner.pop(key, None)
+        if session is not None:
+            session.keys.discard(key)
+            self._close_record(self.records.pop(key), reason, error)
+
+    def _close_record(self, record: RequestRecord, reason: str, error: str | None = None) -> None:
+        now = time.monotonic()
+        self.metrics.finished(reason, now - record.received, record.ttft_s(), record.num_output)
+        if record.span is not None:
+            if reason == "drained":
+                record.span.add_event("drained", timestamp=tracing.span_time_ns(now))
+            tracing.end_request_span(record.span, output_tokens=record.num_output, finish_reason=reason,
+                                     ttft_s=record.ttft_s(), error=error, end_time_ns=tracing.span_time_ns(now))
+
+    def _hand_back(self, message: str, worker_fault: bool = False) -> None:
+        """Gives every request back to its router for re-dispatch (PREEMPTED, recompute: the
+        router resubmits prompt + the tokens it has received), then tells every session it
+        holds nothing more (DRAINED). After a fault the engine is not touched: its state may
+        be half-updated."""
+        sessions = set(self.owner.values())
+        for key, session in list(self.owner.items()):
+            if not worker_fault:
+                self.engine.abort(key)
+            self._forget(key, "failed" if worker_fault else "drained", message if worker_fault else None)
+            session.send(_event(key.split("/", 1)[1], pb.EVENT_KIND_PREEMPTED, "recompute", message,
+                                worker_fault=worker_fault))
+        for session in sessions | self.sessions_alive():
+            session.send(_event("", pb.EVENT_KIND_DRAINED))
+
+    # ------------------------------------------------------------ commands (engine thread)
+
+    def submit(self, session: Session, msg: pb.Submit, received: float) -> None:
+        """`received`: time.monotonic() when the Submit was read, where its latencies start."""
+        key = session.key(msg.request_id)
+        record = RequestRecord(received, len(msg.prompt_token_ids), self._start_span(msg, received))
+        if self.draining:
+            session.send(_event(msg.request_id, pb.EVENT_KIND_PREEMPTED, "recompute", self.fault or "draining",
+                                worker_fault=self.fault is not None))
+            self._close_record(record, "drained")
+            return
+        try:
+            params = sampling_params_from_proto(msg.params)
+            if record.span is not None:
+                record.span.set_attributes(tracing.sampling_attributes(params))
+            if params.n != 1:
+                raise InvalidRequest(f"n={params.n} is invalid: a Submit carries one choice (n=1); "
+                                     "the router fans out n > 1")
+            self.engine.add_request(key, list(msg.prompt_token_ids), params, priority=msg.priority,
+                                    output_token_ids=list(msg.output_token_ids))
+        except InvalidRequest as e:
+            session.send(_event(msg.request_id, pb.EVENT_KIND_FAILED, message=str(e)))
+            self._close_record(record, "failed", str(e))
+            return
+        self.owner[key] = session
+        self.records[key] = record
+        session.keys.add(key)
+
+    def _start_span(self, msg: pb.Submit, received: float) -> Span | None:
+        """The request's span on this worker, a child of the router's span in `trace_context`."""
+        if not self.tracing:
+            return None
+        attributes = tracing.request_attributes("text_completion", self.model_name, msg.request_id,
+                                                len(msg.prompt_token_ids))
+        if msg.output_token_ids:       # migrated or re-dispatched: continues after these
+            attributes["pagedserve.prior_output_tokens"] = len(msg.output_token_ids)
+        return tracing.start_span(f"text_completion {self.model_name}", parent=tracing.extract(msg.trace_context),
+                                  kind=SpanKind.SERVER, attributes=attributes,
+                                  start_time_ns=tracing.span_time_ns(received))
+
+    def abort(self, session: Session, request_ids, stop_string: bool = False) -> None:
+        if self.fault is not None:
+            return      # nothing is held any more
+        for request_id in request_ids:
+            key = session.key(request_id)
+            if self.engine.abort(key):
+                self._forget(key, "stop" if stop_string else "abort")
+                session.send(pb.WorkerMessage(step=pb.StepOutput(
+                    step_index=self.engine.num_steps,
+                    deltas=[pb.RequestDelta(request_id=request_id, finish_reason=pb.FINISH_REASON_ABORT)])))
+
+    def preempt(self, session: Session, request_id: str, mode: str | None, hold: bool = False) -> None:
+        if self.fault is None:
+            self.engine.preempt(session.key(request_id), mode, hold)
+            self._publish([])
+
+    def swap_in(self, session: Session, request_id: str) -> None:
+        if self.fault is None:
+            self.engine.swap_in(session.key(request_id))
+
+    def stalled_for(self) -> float:
+        """Seconds the engine has held runnable work without advancing it (thread-safe)."""
+        return time.monotonic() - self.last_progress
+
+    def drain(self) -> None:
+        """Stops admitting and hands every request back to its router for re-dispatch."""
+        if self.fault is not None:
+            return      # already handed back
+        if not self.draining:
+            log.info("draining: %d requests handed back", len(self.owner))
+        self.draining = True
+        self._hand_back("draining")
+
+    def close_session(self, session: Session) -> None:
+        for key in list(session.keys):
+            if self.fault is None:
+                self.engine.abort(key)
+            self._forget(key, "abort")
+        if session.keys:
+            log.info("session %s closed", session.session_id)
+
+    # Sessions are registered by the service so drain can tell idle ones too.
+    sessions_alive: Callable[[], set[Session]] = staticmethod(lambda: set())

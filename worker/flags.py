@@ -1,0 +1,63 @@
+"""The engine's command-line flags (vLLM's names where the meaning is the same) and the
+EngineConfig they make. Imports no torch, so a router's `pagedserve serve --help` and
+`--role router` start without it."""
+
+import argparse
+
+from worker.config import EngineConfig
+
+# The exit code of a worker that refused to start and said why (a taken port, a bad model or
+# setting), as argparse's is for a bad flag: `serve --role all` then adds nothing to it.
+WORKER_REFUSED = 2
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
+        block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory_gb=args.kv_cache_memory_gb,
+        num_blocks=args.num_blocks, swap_space_gb=args.swap_space, num_swap_blocks=args.num_swap_blocks,
+        preemption_mode=args.preemption_mode, enable_prefix_caching=args.enable_prefix_caching,
+        scheduling_policy=args.scheduling_policy, enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling, tensor_parallel_size=args.tensor_parallel_size,
+        stall_timeout_s=args.engine_stall_timeout)
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Engine flags (vLLM names where the meaning is the same). The commands that use them make
+    each readable from PAGEDSERVE_<FLAG> too (common.env_flags.apply_env)."""
+    d = EngineConfig(model="default")
+    a = parser.add_argument
+    a("--model", default="default", help="Hugging Face directory, .gguf file, preset "
+      "name with --load-format dummy, or 'default' (the embedded SmolLM2-135M-Instruct)")
+    a("--load-format", default=d.load_format, choices=["auto", "hf", "gguf", "dummy"],
+      help="how to read the weights; dummy = random weights of the model's shape")
+    a("--dtype", default=d.dtype, help="auto (bfloat16 on GPU, float32 on CPU), float32, float16, bfloat16")
+    a("--device", default=d.device, help="auto, cpu or cuda")
+    a("--block-size", type=int, default=d.block_size, help="tokens per KV block")
+    a("--max-num-seqs", type=int, default=d.max_num_seqs, help="sequences per step")
+    a("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+      help="token budget of one step (prefill chunks + decodes)")
+    a("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
+    a("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
+      help="share of GPU memory for weights, activations and the KV pool")
+    a("--kv-cache-memory-gb", type=float, default=d.kv_cache_memory_gb, help="KV pool size on the CPU, in GiB")
+    a("--num-blocks", type=int, default=None, help="KV pool size in blocks (overrides the sizing)")
+    a("--swap-space", type=float, default=d.swap_space_gb, help="host swap space for preempted requests, in GiB")
+    a("--num-swap-blocks", type=int, default=None, help="swap space in blocks (overrides)")
+    a("--preemption-mode", default=d.preemption_mode, choices=["swap", "recompute"],
+      help="swap: to host memory when there is room, else recompute")
+    a("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching,
+      help="share KV blocks of equal prompt prefixes")
+    a("--scheduling-policy", default=d.scheduling_policy, choices=["fcfs", "priority"])
+    a("--enforce-eager", action="store_true", default=d.enforce_eager, help="no CUDA graphs")
+    a("--async-scheduling", action=argparse.BooleanOptionalAction, default=d.async_scheduling,
+      help="launch each step before reading the previous one's tokens, so the GPU never waits "
+           "for the host (stop tokens are seen one step late); default: on with a GPU, off on "
+           "the CPU, where it would only delay each token by a step")
+    a("--tensor-parallel-size", type=int, default=d.tensor_parallel_size,
+      help="GPUs (ranks: processes) to split the model over; on the CPU, processes over gloo")
+    a("--engine-stall-timeout", type=float, default=d.stall_timeout_s,
+      help="the worker's watchdog: seconds its engine may hold runnable work without advancing "
+           "it before the worker logs the engine's state and reports NOT_SERVING (0: off)")
