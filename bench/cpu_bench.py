@@ -28,10 +28,10 @@ def make_prompts(count: int, seed: int = 0) -> list[str]:
 
 
 def bench_engine(prompts, new_tokens: int, dtype: str) -> dict:
+    from common.sampling_params import SamplingParams
     from worker.engine import LLMEngine
     from worker.config import EngineConfig
     from worker.models.loader import load_tokenizer
-    from worker.sampling_params import SamplingParams
 
     engine = LLMEngine(EngineConfig(model="default", device="cpu", dtype=dtype))
     tok = load_tokenizer(engine.source)

@@ -20,12 +20,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
+from common.sampling_params import SamplingParams  # noqa: E402
 from worker.config import EngineConfig  # noqa: E402
 from worker.engine import LLMEngine  # noqa: E402
 from worker.models.loader import PRESETS  # noqa: E402
 from report import current_commit  # noqa: E402
 from workloads import w1_requests  # noqa: E402
-from worker.sampling_params import SamplingParams  # noqa: E402
 
 MODEL = "llama-3.1-8b"
 

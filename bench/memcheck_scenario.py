@@ -18,9 +18,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from common.sampling_params import SamplingParams  # noqa: E402
 from worker.config import EngineConfig  # noqa: E402
 from worker.engine import LLMEngine  # noqa: E402
-from worker.sampling_params import SamplingParams  # noqa: E402
 
 
 DEVICE = sys.argv[1] if len(sys.argv) > 1 else "cuda"

@@ -134,7 +134,7 @@ def kernel_name(entry: Path) -> str:
 
 
 def start_server(args) -> subprocess.Popen:
-    command = [sys.executable, "-m", "common.cli", "serve", "--role", "all", "--host", "127.0.0.1",
+    command = [sys.executable, "-m", "launcher.cli", "serve", "--role", "all", "--host", "127.0.0.1",
                "--port", str(args.port), "--worker-port", str(args.port + 1), "--metrics-port", "0",
                "--model", args.model, "--dtype", args.dtype, "--no-enable-prefix-caching",
                "--max-concurrent-requests", "4096", "--max-queue-len", "4096", "--max-queue-wait", "600",

@@ -32,10 +32,10 @@ def summary(ttfts: list[float], tokens: int, seconds: float, requests: int) -> d
 
 
 def engine_alone(prompts: list[str], max_tokens: int) -> dict:
+    from common.sampling_params import SamplingParams
     from worker.config import EngineConfig
     from worker.engine import LLMEngine
     from worker.models.loader import load_tokenizer
-    from worker.sampling_params import SamplingParams
     # Prefix caching off on every path: each path runs the same prompts, and a cache warmed by
     # the previous path would make the next look faster.
     engine = LLMEngine(EngineConfig(model="default", device="cpu", dtype="float32", enable_prefix_caching=False))
@@ -113,7 +113,7 @@ def main() -> None:
 
     grpc_port, http_port = 50151, 8151
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    server = subprocess.Popen([sys.executable, "-m", "common.cli", "serve", "--role", "all", "--host", "127.0.0.1",
+    server = subprocess.Popen([sys.executable, "-m", "launcher.cli", "serve", "--role", "all", "--host", "127.0.0.1",
                                "--port", str(grpc_port), "--http-port", str(http_port), "--worker-port", "50152",
                                "--metrics-port", "0", "--no-enable-prefix-caching"], cwd=REPO, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)

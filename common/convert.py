@@ -1,6 +1,6 @@
 """Conversions between protobuf messages and the engine's records, shared by router and worker."""
 
-from worker.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams
 
 
 def _f32(x: float) -> float:

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SpanExporter
 
-    from worker.sampling_params import SamplingParams
+    from common.sampling_params import SamplingParams
 
 log = logging.getLogger("pagedserve.tracing")
 

@@ -17,9 +17,9 @@ from router.admission import reservation_tokens
 
 # Output tokens a request that set no max_tokens reserves (see PreparedRequest.reserved_tokens).
 UNSET_MAX_TOKENS_RESERVATION = 1024
+from common.sampling_params import InvalidRequest, SamplingParams, choice_seed
 from router.errors import ApiError, invalid_argument
 from router.tokenizer import ChatTemplateError, RouterTokenizer
-from worker.sampling_params import InvalidRequest, SamplingParams, choice_seed
 
 MAX_REQUEST_ID_LENGTH = 256
 

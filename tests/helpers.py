@@ -2,8 +2,8 @@
 
 import torch
 
+from common.sampling_params import SamplingParams
 from worker.engine import LLMEngine
-from worker.sampling_params import SamplingParams
 
 LONG_STORY = (
     "The lighthouse keeper climbed the spiral stairs every evening at dusk, counting each of the "

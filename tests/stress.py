@@ -24,8 +24,8 @@ from typing import Callable
 
 import torch
 
+from common.sampling_params import SamplingParams, choice_seed
 from worker.engine import LLMEngine
-from worker.sampling_params import SamplingParams, choice_seed
 from worker.sequence import FinishReason, SeqStatus
 
 Make = Callable[..., LLMEngine]

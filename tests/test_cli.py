@@ -17,7 +17,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from common import cli
+from launcher import cli
 from common.pb import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 from worker_process import REPO, free_port, module_command
 
@@ -57,7 +57,7 @@ def test_help_names_each_flags_environment_variable(capsys):
 
 ROUTER_WITHOUT_TORCH = """
 import contextlib, io, sys
-from common import cli
+from launcher import cli
 with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):
     cli.main(["serve", "--help"])
 args = cli._serve_parser().parse_args(["--role", "router", "--workers", "127.0.0.1:1"])
@@ -129,7 +129,7 @@ def taken_port():
     ("router", "port"), ("router", "http_port"),
 ])
 def test_serve_refuses_a_taken_port_at_once_in_one_line_naming_its_flag(role, flag, taken_port):
-    result = run_to_end("common.cli", *serve_args(role, **{flag: taken_port}))
+    result = run_to_end("launcher.cli", *serve_args(role, **{flag: taken_port}))
     assert result.returncode != 0
     assert result.stderr.splitlines() == [  # nothing else: no model was loaded, no traceback
         f"pagedserve: --{flag.replace('_', '-')} {taken_port} is already in use (another server "
@@ -139,7 +139,7 @@ def test_serve_refuses_a_taken_port_at_once_in_one_line_naming_its_flag(role, fl
 @pytest.mark.slow
 def test_serve_refuses_one_port_given_to_two_flags():
     port = free_port()
-    result = run_to_end("common.cli", *serve_args("router", port=port, http_port=port))
+    result = run_to_end("launcher.cli", *serve_args("router", port=port, http_port=port))
     assert result.returncode != 0
     assert result.stderr.splitlines() == [
         f"pagedserve: --http-port {port} is also --port; give each its own port"]
@@ -166,7 +166,7 @@ def test_start_up_error_is_one_line_without_traceback(role, flags, message, tmp_
     damaged = tmp_path / "damaged.gguf"
     damaged.write_bytes(b"GGUF" + bytes(range(256)) * 4)
     flags = [str(damaged) if flag == "DAMAGED" else flag for flag in flags]
-    result = run_to_end("common.cli", *serve_args(role), *flags)
+    result = run_to_end("launcher.cli", *serve_args(role), *flags)
     assert result.returncode != 0
     [line] = result.stderr.splitlines()     # with --role all the worker's, said once
     assert line.startswith("pagedserve: " if role == "worker" else "worker: ")
@@ -176,12 +176,12 @@ def test_start_up_error_is_one_line_without_traceback(role, flags, message, tmp_
 @pytest.mark.slow
 @pytest.mark.parametrize("entry, args", [
     ("worker.server.main()", ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0"]),
-    ("sys.exit(common.cli.main())", ["serve", "--role", "worker", "--host", "127.0.0.1",
+    ("sys.exit(launcher.cli.main())", ["serve", "--role", "worker", "--host", "127.0.0.1",
                                      "--worker-port", "0", "--metrics-port", "0"]),
 ], ids=["python -m worker.server", "pagedserve serve --role worker"])
 def test_a_bug_at_start_up_keeps_its_traceback(entry, args):
     # The entry point runs with a run_worker that fails as a bug would.
-    launcher = ("import sys, common.cli, worker.server\n"
+    launcher = ("import sys, launcher.cli, worker.server\n"
                 "def bug(*args, **kwargs):\n"
                 "    raise RuntimeError('a bug')\n"
                 "worker.server.run_worker = bug\n"
@@ -228,7 +228,7 @@ class Serve:
     comes on a thread of its own, so that the pipe never fills."""
 
     def __init__(self, args: list[str]) -> None:
-        self.process = subprocess.Popen(module_command("common.cli", *args), cwd=REPO, env=ENV,
+        self.process = subprocess.Popen(module_command("launcher.cli", *args), cwd=REPO, env=ENV,
                                         text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         self.lines: list[str] = []
         self._new_line = threading.Condition()

@@ -4,7 +4,7 @@ It must change when tokens are reported, never which tokens, nor what the pool h
 import pytest
 from helpers import generate, greedy
 
-from worker.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams
 from worker.sequence import FinishReason
 
 

@@ -3,7 +3,7 @@
 import pytest
 from helpers import LONG_STORY, PROMPTS, generate, greedy
 
-from worker.sampling_params import InvalidRequest, SamplingParams, choice_seed
+from common.sampling_params import InvalidRequest, SamplingParams, choice_seed
 from worker.sequence import FinishReason
 
 

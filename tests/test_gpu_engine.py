@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.sampling_params import SamplingParams
 from worker.config import EngineConfig
 from worker.engine import LLMEngine
-from worker.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.gpu
 
@@ -156,7 +156,7 @@ COUNT_COMPILES_IN_STEPS = """
 import sys, torch, triton
 from worker.config import EngineConfig
 from worker.engine import LLMEngine
-from worker.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams
 
 engine = LLMEngine(EngineConfig(model=sys.argv[1], device="cuda", dtype=sys.argv[2], num_blocks=256,
                                 max_num_seqs=32, max_num_batched_tokens=256))

@@ -21,12 +21,12 @@ from helpers import save_tiny_llama
 
 from common.pb import generation_pb2 as pb
 from common.pb import generation_pb2_grpc
+from common.sampling_params import SamplingParams
 from router.fleet import FleetConfig
 from router.server import Router, RouterConfig
 from worker import faults
 from worker.config import EngineConfig
 from worker.engine import LLMEngine
-from worker.sampling_params import SamplingParams
 from worker_process import REPO, WorkerProcess, free_port, module_command, python_path
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
@@ -58,7 +58,7 @@ def serve_8b():
     port = free_port()
     log = open(os.path.join(os.environ.get("OUT", "/tmp"), "serve_8b.log"), "w")
     process = subprocess.Popen(
-        module_command("common.cli", "serve", "--model", "llama-3.1-8b", "--load-format", "dummy",
+        module_command("launcher.cli", "serve", "--model", "llama-3.1-8b", "--load-format", "dummy",
                        "--port", str(port), "--worker-port", str(free_port()), "--http-port", "-1",
                        "--metrics-port", "0", "--host", "127.0.0.1"),
         cwd=REPO, env={**os.environ, "PYTHONPATH": python_path()}, stdout=log, stderr=subprocess.STDOUT)

@@ -30,12 +30,12 @@ PROMPT = "The capital of France is"
 
 
 class RouterProcess:
-    """`python -m common.cli serve --role router` on loopback, ready once /health answers 200."""
+    """`python -m launcher.cli serve --role router` on loopback, ready once /health answers 200."""
 
     def __init__(self, workers: list[str], *flags: str, wait_for_workers: bool = True):
         self.grpc_port, self.http_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.http_port}"
-        command = [sys.executable, "-m", "common.cli", "serve", "--role", "router", "--host", "127.0.0.1",
+        command = [sys.executable, "-m", "launcher.cli", "serve", "--role", "router", "--host", "127.0.0.1",
                    "--port", str(self.grpc_port), "--http-port", str(self.http_port),
                    "--workers", *workers, *flags]
         self.log_file = open(REPO / f".router-{self.http_port}.log", "w+")

@@ -3,8 +3,8 @@
 import pytest
 from helpers import PROMPTS, generate, greedy
 
+from common.sampling_params import InvalidRequest, SamplingParams
 from worker.llm import LLM
-from worker.sampling_params import InvalidRequest, SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -69,7 +69,7 @@ class RouterProcess:
     def __init__(self, worker_address: str, receiver: OtlpReceiver):
         port, self.http_port = free_port(), free_port()
         self.address = f"127.0.0.1:{port}"
-        self._command = [sys.executable, "-m", "common.cli", "serve", "--role", "router",
+        self._command = [sys.executable, "-m", "launcher.cli", "serve", "--role", "router",
                          "--host", "127.0.0.1", "--port", str(port), "--http-port", str(self.http_port),
                          "--metrics-port", "0", "--workers", worker_address]
         env = {**os.environ, **otel_env(receiver)}

@@ -7,7 +7,7 @@ import torch
 
 from worker.sampler import (SampleResult, SamplingBatch, SamplingRow, filter_logits, apply_penalties, sample,
                             seeded_uniform)
-from worker.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams
 
 V = 8
 

@@ -24,10 +24,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.pb import generation_pb2 as pb
 from common.pb import generation_pb2_grpc
+from common.sampling_params import SamplingParams
 from router.admission import AdmissionConfig
 from router.fleet import FleetConfig
 from router.server import Router, RouterConfig
-from worker.sampling_params import SamplingParams
 from worker_process import REPO, WorkerProcess, free_port, module_command
 
 pytestmark = pytest.mark.slow
@@ -607,7 +607,7 @@ def test_with_an_api_key_every_public_method_needs_it(method, metadata):
 @pytest.mark.parametrize("key, expected", [(API_KEY, "UNAVAILABLE"), (None, "UNAUTHENTICATED")])
 def test_the_complete_command_sends_its_api_key(key, expected, capsys):
     """`pagedserve complete --api-key` gets past the key (then UNAVAILABLE: no worker here)."""
-    from common.cli import main
+    from launcher.cli import main
 
     async def scenario():
         router = Router(RouterConfig(workers=[], host="127.0.0.1", port=0, api_key=API_KEY,
@@ -659,7 +659,7 @@ def test_new_router_serves_and_a_dead_routers_requests_are_aborted(worker, tmp_p
     log_path = tmp_path / "router.log"
     with open(log_path, "w") as log:
         old_router = subprocess.Popen(
-            module_command("common.cli", "serve", "--role", "router", "--host", "127.0.0.1",
+            module_command("launcher.cli", "serve", "--role", "router", "--host", "127.0.0.1",
                            "--port", str(port), "--workers", shared.address),
             cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=log,
             stderr=subprocess.STDOUT)

@@ -10,10 +10,10 @@ import pytest
 import torch
 from helpers import LONG_STORY, PROMPTS, generate, greedy, tiny_hf_model
 
+from common.sampling_params import SamplingParams
 from worker.config import EngineConfig
 from worker.engine import LLMEngine
 from worker.parallel import HeadSplit, Shard, check_splittable, split_heads
-from worker.sampling_params import SamplingParams
 
 # ------------------------------------------------------------------------------ how weights split
 

@@ -19,10 +19,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.pb import generation_pb2 as pb
 from common.pb import generation_pb2_grpc
+from common.sampling_params import SamplingParams
 from router.fleet import FleetConfig
 from router.server import Router, RouterConfig
 from worker import faults
-from worker.sampling_params import SamplingParams
 from worker_process import WorkerProcess, run_requests, submit
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time,", "1, 2, 3, 4,",

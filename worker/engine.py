@@ -16,6 +16,7 @@ import random
 import time
 from dataclasses import dataclass
 
+from common.sampling_params import InvalidRequest, SamplingParams, choice_seed
 from worker.config import EngineConfig
 from worker.kv_pool import BlockManager, SwapPool
 from worker import ranks
@@ -23,7 +24,6 @@ from worker.model_runner import ModelRunner
 from worker.models.loader import ModelSource, resolve_source
 from worker.parallel import Shard
 from worker.sampler import SampledTokens, SamplingBatch, SamplingRow
-from worker.sampling_params import InvalidRequest, SamplingParams, choice_seed
 from worker.scheduler import Scheduler, ScheduledSeq, SchedulerOutput
 from worker.sequence import FinishReason, Sequence, SeqStatus
 

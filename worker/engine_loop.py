@@ -26,9 +26,9 @@ from common import tracing
 from common.convert import sampling_params_from_proto
 from common.metrics import WorkerMetrics
 from common.pb import worker_pb2 as pb
+from common.sampling_params import InvalidRequest
 from worker import faults
 from worker.engine import EngineEvent, EngineStats, LLMEngine, RequestOutput
-from worker.sampling_params import InvalidRequest
 from worker.sequence import FinishReason
 
 log = logging.getLogger("pagedserve.worker")

@@ -4,10 +4,10 @@ import itertools
 from dataclasses import dataclass, field
 
 from common.progress import progress
+from common.sampling_params import InvalidRequest, SamplingParams
 from worker.config import EngineConfig
 from worker.engine import LLMEngine
 from worker.models.loader import load_tokenizer
-from worker.sampling_params import InvalidRequest, SamplingParams
 
 
 @dataclass

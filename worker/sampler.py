@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams
 from worker.transfer import to_device
 
 _M32 = 0xFFFFFFFF

@@ -11,7 +11,7 @@ computes it, reading it on the device) but is not in `token_ids` until the engin
 import enum
 from dataclasses import dataclass, field
 
-from worker.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams
 
 
 class SeqStatus(enum.Enum):
