@@ -244,7 +244,8 @@ class _SupervisedWorker:
         self.process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "worker.server", "--host", WORKER_HOST,
             "--port", str(self.args.worker_port), "--worker-id", worker_id,
-            "--metrics-port", str(self.args.metrics_port), *name,
+            "--metrics-port", str(self.args.metrics_port), "--log-level", self.args.log_level,
+            "--log-format", self.args.log_format, *name,
             env={**os.environ, **_engine_env(self.args)}, start_new_session=True)
         return await _wait_until_serving(self.address, self.process, worker_id)
 

@@ -286,6 +286,20 @@ def test_serve_all_never_serves_through_a_worker_it_did_not_start():
         serve.end()
 
 
+@pytest.mark.slow
+def test_serve_all_logs_its_worker_in_the_format_asked_for():
+    """--log-format and --log-level reach the worker that `serve --role all` starts."""
+    import json
+
+    serve = Serve(serve_args("all") + ["--log-format", "json"])
+    try:
+        serve.wait_for('"logger": "pagedserve.worker"', 120)
+        entry = json.loads(next(line for line in serve.lines if '"logger": "pagedserve.worker"' in line))
+        assert entry["level"] == "INFO" and entry["msg"]
+    finally:
+        serve.end()
+
+
 def children(pid: int) -> set[int]:
     """The processes whose parent is pid."""
     found = set()

@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry
 from common import tracing
 from common.env_flags import apply_env
 from common.grpc_server import create_server, listen
+from common.log import setup_logging
 from common.metrics import WorkerMetrics, serve_metrics
 from common.ports import check_ports
 from common.pb import worker_pb2 as pb
@@ -249,9 +250,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--metrics-port", type=int, default=9091,
                         help="port of the Prometheus /metrics endpoint (0: off); tracing is set with "
                              "the standard OTEL_* variables (docs/observability.md)")
+    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    parser.add_argument("--log-format", default="text", choices=("text", "json"),
+                        help="json: one JSON object per line")
     apply_env(parser)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_level, args.log_format)
     try:
         # Before the model loads, which can take minutes: a taken port is refused at once.
         # The metrics port is not: without it the worker still serves (see serve_metrics).
