@@ -51,8 +51,6 @@ _PREEMPTION_MODES = {worker_pb2.PREEMPTION_MODE_SWAP: "swap",
                      worker_pb2.PREEMPTION_MODE_RECOMPUTE: "recompute"}
 # The span events of the request's span for a choice's moves, by counter.
 _MOVE_EVENTS = {"redispatches": "redispatched", "migrations": "migrated"}
-# The Event.message of the PREEMPTED with which a draining worker hands a request back.
-_DRAINING = "draining"
 
 
 @dataclass(frozen=True)
@@ -189,9 +187,9 @@ class GenerateRun:
                     "pagedserve.preemption.mode": mode})
             if event.mode != worker_pb2.PREEMPTION_MODE_RECOMPUTE:
                 return
-            if event.worker_fault:
+            if event.hand_back == worker_pb2.HAND_BACK_WORKER_FAULT:
                 self._redispatch(choice, f"its worker faulted ({event.message})")
-            elif event.message == _DRAINING or worker.draining:
+            elif event.hand_back == worker_pb2.HAND_BACK_DRAINING or worker.draining:
                 self._redispatch(choice, "its worker is draining")
             else:
                 self._maybe_migrate(choice, worker)

@@ -160,7 +160,7 @@ def test_a_faulted_worker_hands_a_request_back_as_preempted_for_recompute_naming
     handed_back = events[-1]
     assert handed_back.kind == worker_pb2.EVENT_KIND_PREEMPTED
     assert handed_back.mode == worker_pb2.PREEMPTION_MODE_RECOMPUTE
-    assert handed_back.worker_fault
+    assert handed_back.hand_back == worker_pb2.HAND_BACK_WORKER_FAULT
     assert handed_back.message.startswith("device fault in step 1: CUDA error")
 
 

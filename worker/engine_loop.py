@@ -79,9 +79,15 @@ def _delta(request_id: str, out: RequestOutput) -> pb.RequestDelta:
 
 
 def _event(request_id: str, kind: int, mode: str | None = None, message: str = "",
-           worker_fault: bool = False) -> pb.WorkerMessage:
+           worker_fault: bool = False, hand_back: int = pb.HAND_BACK_UNSPECIFIED) -> pb.WorkerMessage:
     return pb.WorkerMessage(event=pb.Event(request_id=request_id, kind=kind, mode=MODES[mode], message=message,
-                                           worker_fault=worker_fault))
+                                           worker_fault=worker_fault, hand_back=hand_back))
+
+
+def _handed_back(request_id: str, message: str, fault: bool) -> pb.WorkerMessage:
+    """The PREEMPTED that gives a request back to its router for good (a drain or a fault)."""
+    return _event(request_id, pb.EVENT_KIND_PREEMPTED, "recompute", message,
+                  hand_back=pb.HAND_BACK_WORKER_FAULT if fault else pb.HAND_BACK_DRAINING)
 
 
 class EngineLoop:
@@ -263,8 +269,7 @@ class EngineLoop:
             if not worker_fault:
                 self.engine.abort(key)
             self._forget(key, "failed" if worker_fault else "drained", message if worker_fault else None)
-            session.send(_event(key.split("/", 1)[1], pb.EVENT_KIND_PREEMPTED, "recompute", message,
-                                worker_fault=worker_fault))
+            session.send(_handed_back(key.split("/", 1)[1], message, worker_fault))
         for session in sessions | self.sessions_alive():
             session.send(_event("", pb.EVENT_KIND_DRAINED))
 
@@ -275,8 +280,7 @@ class EngineLoop:
         key = session.key(msg.request_id)
         record = RequestRecord(received, len(msg.prompt_token_ids), self._start_span(msg, received))
         if self.draining:
-            session.send(_event(msg.request_id, pb.EVENT_KIND_PREEMPTED, "recompute", self.fault or "draining",
-                                worker_fault=self.fault is not None))
+            session.send(_handed_back(msg.request_id, self.fault or "draining", self.fault is not None))
             self._close_record(record, "drained")
             return
         try:
