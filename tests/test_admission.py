@@ -1,0 +1,264 @@
+"""router.admission: token budgets, the priority queue, overload and reservations."""
+
+import asyncio
+import re
+
+import grpc
+import pytest
+
+from router.admission import (Admission, AdmissionConfig, NoWorkers, Overloaded, RequestTooLarge,
+                              reservation_tokens)
+from router.errors import ApiError
+
+
+# Admission
+
+def first(workers):
+    return workers[0]
+
+
+def admission_with(*capacities, **config):
+    admission = Admission(AdmissionConfig(**config))
+    for i, capacity in enumerate(capacities):
+        admission.set_worker(f"w{i}", capacity)
+    return admission
+
+
+async def start_waiting(admission, tokens, priority=0):
+    """Starts a reserve() that must queue; returns its task once it is in the queue."""
+    waiting = admission.num_waiting
+    task = asyncio.create_task(admission.reserve(tokens, first, priority))
+    while admission.num_waiting == waiting and not task.done():
+        await asyncio.sleep(0)  # one scheduler turn: reserve() queues on its first run
+    assert not task.done(), "the request should have had to wait"
+    return task
+
+
+def assert_nothing_reserved(admission):
+    assert admission.num_admitted == 0 and admission.num_waiting == 0
+    assert all(w.reserved_tokens == 0 and w.num_requests == 0 for w in admission.workers)
+
+
+def test_reservation_covers_prompt_and_max_tokens_of_every_choice():
+    assert reservation_tokens(prompt_tokens=100, max_tokens=28, n=3) == 384
+
+
+def test_admission_places_request_only_where_it_fits():
+    async def scenario():
+        admission = admission_with(100, 100)
+        offered = []
+        held = await admission.reserve(80, first)
+        second = await admission.reserve(80, lambda fits: offered.append(fits) or fits[0])
+        assert (held.worker_id, second.worker_id) == ("w0", "w1")
+        assert [w.worker_id for w in offered[0]] == ["w1"]
+    asyncio.run(scenario())
+
+
+def test_admission_budget_is_capacity_times_overcommit():
+    admission = admission_with(100, overcommit=1.5)
+    assert admission.workers[0].capacity_tokens == 150
+
+
+def test_admission_rejects_when_queue_full_with_retry_hint():
+    async def scenario():
+        admission = admission_with(100, max_queue_len=1)
+        held = await admission.reserve(100, first)
+        waiter = await start_waiting(admission, 50)
+        with pytest.raises(Overloaded) as rejected:
+            await admission.reserve(10, first)
+        assert rejected.value.retry_after_s >= 1.0
+        assert "retry in about" in str(rejected.value)
+        waiter.cancel()
+        held.release()
+    asyncio.run(scenario())
+
+
+def test_admission_waiter_admitted_after_release():
+    async def scenario():
+        admission = admission_with(100)
+        held = await admission.reserve(100, first)
+        waiter = await start_waiting(admission, 50)
+        held.release()
+        reservation = await waiter
+        assert (reservation.worker_id, reservation.tokens) == ("w0", 50)
+        assert admission.workers[0].reserved_tokens == 50
+    asyncio.run(scenario())
+
+
+def test_admission_rejects_after_max_wait():
+    async def scenario():
+        admission = admission_with(100, max_wait_s=0.05)
+        held = await admission.reserve(100, first)
+        with pytest.raises(Overloaded) as rejected:
+            await admission.reserve(50, first)
+        assert "queue wait limit of 0.05 s (--max-queue-wait)" in str(rejected.value)
+        assert rejected.value.retry_after_s >= 1.0
+        assert admission.num_waiting == 0
+        held.release()
+        assert_nothing_reserved(admission)
+    asyncio.run(scenario())
+
+
+def test_admission_is_fifo_so_a_large_waiter_is_not_overtaken():
+    async def scenario():
+        admission = admission_with(100)
+        held = await admission.reserve(60, first)
+        large = await start_waiting(admission, 80)
+        small = await start_waiting(admission, 30)  # would fit now, but queues behind `large`
+        held.release()
+        assert (await large).tokens == 80
+        assert not small.done()
+        (await large).release()
+        assert (await small).tokens == 30
+    asyncio.run(scenario())
+
+
+def serving_order(*priorities, cancelled=()):
+    """Queues requests with these priorities, in this order, behind a full worker that holds one
+    at a time; cancels those at the `cancelled` indices, then frees the worker request by request.
+    Returns the indices of the others in the order they were placed."""
+    async def scenario():
+        admission = admission_with(100)
+        running = await admission.reserve(100, first)
+        waiters = [await start_waiting(admission, 100, priority) for priority in priorities]
+        for index in cancelled:
+            waiters[index].cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiters[index]
+        pending = {task: index for index, task in enumerate(waiters) if index not in cancelled}
+        order = []
+        while pending:
+            running.release()
+            placed, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            assert len(placed) == 1, "only one request fits at a time"
+            task = placed.pop()
+            order.append(pending.pop(task))
+            running = task.result()
+        running.release()
+        assert_nothing_reserved(admission)
+        return order
+    return asyncio.run(scenario())
+
+
+def test_admission_serves_lower_priority_value_first_though_queued_later():
+    assert serving_order(5, 0) == [1, 0]
+
+
+def test_admission_keeps_fifo_among_equal_priorities():
+    assert serving_order(3, 3, 3) == [0, 1, 2]
+
+
+def test_admission_places_newcomer_better_than_every_waiter_at_once_when_it_fits():
+    async def scenario():
+        admission = admission_with(100, max_wait_s=0.05)  # had it queued, it would fail fast
+        held = await admission.reserve(60, first)
+        large = await start_waiting(admission, 80, priority=1)
+        urgent = await admission.reserve(30, first, priority=0)
+        assert (urgent.worker_id, urgent.tokens) == ("w0", 30)
+        assert admission.num_waiting == 1 and not large.done()
+        large.cancel()
+        urgent.release()
+        held.release()
+    asyncio.run(scenario())
+
+
+def test_admission_full_queue_refuses_even_a_better_priority_newcomer():
+    async def scenario():
+        admission = admission_with(100, max_queue_len=1)
+        held = await admission.reserve(100, first)
+        waiter = await start_waiting(admission, 50, priority=5)
+        with pytest.raises(Overloaded):
+            await admission.reserve(10, first, priority=0)
+        assert admission.num_waiting == 1 and not waiter.done()
+        waiter.cancel()
+        held.release()
+    asyncio.run(scenario())
+
+
+def test_admission_cancelling_a_middle_waiter_keeps_the_others_in_order():
+    assert serving_order(2, 0, 1, cancelled=[2]) == [1, 0]
+
+
+def test_overloaded_message_states_the_retry_after_trailer():
+    overloaded = Overloaded("3 requests are already waiting", retry_after_s=1.2)
+    error = ApiError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(overloaded),
+                     retry_after_s=overloaded.retry_after_s)  # as GenerationService._admit does
+    stated = re.search(r"retry in about (\d+) s", str(overloaded)).group(1)
+    assert stated == dict(error.trailing_metadata)["retry-after"] == "2"  # 1.2 s, rounded up
+
+
+def test_admission_cancelled_waiter_leaves_nothing_reserved():
+    async def scenario():
+        admission = admission_with(100)
+        held = await admission.reserve(100, first)
+        waiter = await start_waiting(admission, 50)
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        held.release()
+        assert_nothing_reserved(admission)
+    asyncio.run(scenario())
+
+
+def test_admission_waiter_cancelled_right_after_grant_releases_it():
+    async def scenario():
+        admission = admission_with(100)
+        held = await admission.reserve(100, first)
+        waiter = await start_waiting(admission, 50)
+        held.release()  # grants the waiter, which has not resumed yet...
+        assert admission.num_admitted == 1
+        waiter.cancel()  # ...and is cancelled before it could take its reservation
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        assert_nothing_reserved(admission)
+    asyncio.run(scenario())
+
+
+def test_admission_context_releases_on_error():
+    async def scenario():
+        admission = admission_with(100)
+        with pytest.raises(RuntimeError):
+            async with admission.admit(70, first) as reservation:
+                assert reservation.worker.reserved_tokens == 70
+                raise RuntimeError("the stream broke")
+        assert_nothing_reserved(admission)
+    asyncio.run(scenario())
+
+
+def test_admission_caps_concurrent_requests():
+    async def scenario():
+        admission = admission_with(1000, max_concurrent_requests=1)
+        held = await admission.reserve(10, first)
+        waiter = await start_waiting(admission, 10)
+        held.release()
+        (await waiter).release()
+        assert_nothing_reserved(admission)
+    asyncio.run(scenario())
+
+
+def test_admission_rejects_request_larger_than_any_worker():
+    async def scenario():
+        with pytest.raises(RequestTooLarge, match="needs 101 tokens"):
+            await admission_with(100, 40).reserve(101, first)
+    asyncio.run(scenario())
+
+
+def test_admission_without_accepting_workers_is_unavailable():
+    async def scenario():
+        admission = Admission()
+        admission.set_worker("draining", 100, accepting=False)
+        with pytest.raises(NoWorkers):
+            await admission.reserve(10, first)
+    asyncio.run(scenario())
+
+
+def test_reservation_moved_to_another_worker_is_released_there():
+    async def scenario():
+        admission = admission_with(100, 100)
+        reservation = await admission.reserve(90, first)
+        reservation.move_to("w1")
+        assert [w.reserved_tokens for w in admission.workers] == [0, 90]
+        reservation.release()
+        reservation.release()  # idempotent
+        assert_nothing_reserved(admission)
+    asyncio.run(scenario())

