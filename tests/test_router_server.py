@@ -5,9 +5,6 @@ import asyncio
 import pytest
 
 
-
-# ------------------------------------------------------------------------------ startup
-
 def test_router_refuses_a_port_another_server_holds():
     """gRPC's default SO_REUSEPORT would let both serve and split the connections."""
     from router.server import Router, RouterConfig
