@@ -55,6 +55,8 @@ def _serve_parser() -> argparse.ArgumentParser:
     network.add_argument("--port", type=int, default=50051, help="the router's gRPC port")
     network.add_argument("--worker-port", type=int, default=50061,
                          help="the worker's gRPC port (router<->worker protocol)")
+    network.add_argument("--worker-id", help="--role worker: the id it reports to routers, in "
+                                             "their logs and metrics (default: host:port)")
     network.add_argument("--metrics-port", type=int, default=9091,
                          help="Prometheus /metrics port (0: off): the worker's with --role worker "
                               "or all, the router's with --role router; the router also serves "
@@ -111,21 +113,22 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.worker_timeout <= 0:
         parser.error(f"--worker-timeout {args.worker_timeout:g} must be above 0 seconds")
     setup_logging(args.log_level, args.log_format)
-    # Before the model loads, which can take minutes: a taken port is refused at once.
-    check_ports(_listeners(args))
     try:
+        # Before the model loads, which can take minutes: a taken port is refused at once.
+        check_ports(_listeners(args))
         return _serve_role(args, parser)
-    except ValueError as error:
-        # A bad model path or setting: the loader's ModelLoadError and the engine's and the
-        # router's checks are ValueErrors whose message names it. Any other exception is a bug
-        # and keeps its traceback.
-        raise SystemExit(f"pagedserve: {error}") from error
+    except (OSError, ValueError) as error:
+        # A taken port, a bad model path or setting (the loader's ModelLoadError and the
+        # engine's and the router's checks are ValueErrors whose message names it): one line.
+        # Any other exception is a bug and keeps its traceback.
+        print(f"pagedserve: {error}", file=sys.stderr)
+        return WORKER_REFUSED if args.role == "worker" else 1
 
 
 def _serve_role(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.role == "worker":
         from worker.server import run_worker     # imports torch: only a worker pays for it
-        run_worker(engine_config_from_args(args), args.host, args.worker_port,
+        run_worker(engine_config_from_args(args), args.host, args.worker_port, args.worker_id,
                    model_name=(args.served_model_name or [None])[0],
                    metrics_port=args.metrics_port)
         return 0
@@ -242,8 +245,8 @@ class _SupervisedWorker:
         # The engine settings travel as the worker's own PAGEDSERVE_* variables; its own
         # session keeps a terminal's Ctrl-C from reaching it before the router has finished.
         self.process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "worker.server", "--host", WORKER_HOST,
-            "--port", str(self.args.worker_port), "--worker-id", worker_id,
+            sys.executable, "-m", "launcher.cli", "serve", "--role", "worker", "--host", WORKER_HOST,
+            "--worker-port", str(self.args.worker_port), "--worker-id", worker_id,
             "--metrics-port", str(self.args.metrics_port), "--log-level", self.args.log_level,
             "--log-format", self.args.log_format, *name,
             env={**os.environ, **_engine_env(self.args)}, start_new_session=True)

@@ -85,12 +85,9 @@ def test_serve_refuses_what_it_cannot_do(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_worker_module_refuses_an_invalid_environment_variable_naming_it(monkeypatch, capsys):
-    from worker import server
-
-    monkeypatch.setenv("PAGEDSERVE_MAX_NUM_SEQS", "lots")
+def test_an_invalid_engine_environment_variable_is_refused_naming_it(monkeypatch, capsys):
     with pytest.raises(SystemExit):
-        server.main([])
+        parse_serve(["--role", "worker"], monkeypatch, PAGEDSERVE_MAX_NUM_SEQS="lots")
     assert "PAGEDSERVE_MAX_NUM_SEQS='lots' is invalid" in capsys.readouterr().err
 
 
@@ -146,16 +143,6 @@ def test_serve_refuses_one_port_given_to_two_flags():
 
 
 @pytest.mark.slow
-def test_worker_module_refuses_a_taken_port_before_loading_the_model(taken_port):
-    result = run_to_end("worker.server", "--host", "127.0.0.1", "--port", str(taken_port),
-                        "--metrics-port", "0")
-    assert result.returncode != 0
-    assert result.stderr.splitlines() == [
-        f"worker: --worker-port {taken_port} is already in use (another server is listening "
-        "there); choose another port"]
-
-
-@pytest.mark.slow
 @pytest.mark.parametrize("role", ["worker", "all"])
 @pytest.mark.parametrize("flags, message", [
     (["--model", "/no/such/model"], "model path '/no/such/model' does not exist"),
@@ -169,23 +156,19 @@ def test_start_up_error_is_one_line_without_traceback(role, flags, message, tmp_
     result = run_to_end("launcher.cli", *serve_args(role), *flags)
     assert result.returncode != 0
     [line] = result.stderr.splitlines()     # with --role all the worker's, said once
-    assert line.startswith("pagedserve: " if role == "worker" else "worker: ")
+    assert line.startswith("pagedserve: ")
     assert message in line
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("entry, args", [
-    ("worker.server.main()", ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0"]),
-    ("sys.exit(launcher.cli.main())", ["serve", "--role", "worker", "--host", "127.0.0.1",
-                                     "--worker-port", "0", "--metrics-port", "0"]),
-], ids=["python -m worker.server", "pagedserve serve --role worker"])
-def test_a_bug_at_start_up_keeps_its_traceback(entry, args):
+def test_a_bug_at_start_up_keeps_its_traceback():
     # The entry point runs with a run_worker that fails as a bug would.
     launcher = ("import sys, launcher.cli, worker.server\n"
                 "def bug(*args, **kwargs):\n"
                 "    raise RuntimeError('a bug')\n"
                 "worker.server.run_worker = bug\n"
-                f"{entry}\n")
+                "sys.exit(launcher.cli.main())\n")
+    args = ["serve", "--role", "worker", "--host", "127.0.0.1", "--worker-port", "0", "--metrics-port", "0"]
     result = subprocess.run([sys.executable, "-c", launcher, *args], cwd=REPO, env=ENV,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode != 0
@@ -280,8 +263,8 @@ def test_serve_all_never_serves_through_a_worker_it_did_not_start():
         assert serve.lines[-1] in (
             f"pagedserve: a worker this process did not start (stranger) answers at "
             f"127.0.0.1:{worker_port}; choose another --worker-port",
-            f"worker: --worker-port {worker_port} is already in use (another server is listening "
-            "there); choose another port")
+            f"pagedserve: --worker-port {worker_port} is already in use (another server is "
+            "listening there); choose another port")
     finally:
         serve.end()
 
@@ -318,7 +301,7 @@ def is_a_worker(pid: int) -> bool:
     """Whether process pid runs (still) and is a worker."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
-            return b"worker.server" in cmdline.read()
+            return b"--role\0worker" in cmdline.read()
     except OSError:
         return False
 

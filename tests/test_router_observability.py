@@ -1,6 +1,6 @@
 """The router's traces and metrics, with a real worker process on loopback.
 
-One traced worker (`python -m worker.server`, exporting to a real OTLP receiver) serves the module.
+One traced worker (`pagedserve serve --role worker`, exporting to a real OTLP receiver) serves the module.
 The trace tests run the router as `pagedserve serve --role router`, a process of its own that
 exports to the same receiver, so the trace context crosses two process boundaries: client ->
 router (gRPC metadata or HTTP headers) and router -> worker (the Submit). The metrics test runs a

@@ -1,6 +1,6 @@
 """End to end: the router's public gRPC API in front of real worker processes on loopback.
 
-Workers are `python -m worker.server` subprocesses with small KV pools, started together once
+Workers are `pagedserve serve --role worker` subprocesses with small KV pools, started together once
 for the module (each loads SmolLM2 in a few seconds and holds about 2 GB); a test that kills or
 drains a worker gets one of its own. The router runs in the test's event loop as a real grpc.aio
 server on a free port, so its counters and its view of the workers can be inspected. Greedy

@@ -1,4 +1,5 @@
-"""A real `python -m worker.server` process for tests, and a minimal router side of its Session.
+"""A real worker process for tests (`pagedserve serve --role worker`, as deployed), and a
+minimal router side of its Session.
 
     with WorkerProcess(["--metrics-port", "9200"]) as worker:
         results = asyncio.run(run_requests(worker.address, [submit("r1", [1, 2, 3], max_tokens=5)]))
@@ -67,14 +68,15 @@ class WorkerProcess:
         """`env`: variables to set for the worker, or (None) to remove from what it inherits."""
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
-        self._args = ["--host", "127.0.0.1", "--port", str(self.port), "--num-blocks", "128", *args]
+        self._args = ["serve", "--role", "worker", "--host", "127.0.0.1", "--worker-port", str(self.port),
+                      "--num-blocks", "128", *args]
         self._env = {name: value for name, value in {**os.environ, "PYTHONPATH": python_path(), **(env or {})}.items()
                      if value is not None}
         self._log = tempfile.TemporaryFile(mode="w+")
         self.process: subprocess.Popen | None = None
 
     def start(self) -> None:
-        self.process = subprocess.Popen(module_command("worker.server", *self._args), cwd=REPO,
+        self.process = subprocess.Popen(module_command("launcher.cli", *self._args), cwd=REPO,
                                         env=self._env, stdout=self._log, stderr=subprocess.STDOUT)
 
     def wait_ready(self) -> None:

@@ -1,11 +1,11 @@
 """The worker process: its gRPC service (`Info`, and one `Session` stream per router replica),
-health and the engine watchdog, start-up and shutdown, and `python -m worker.server`.
+health and the engine watchdog, start-up and shutdown. It runs as `pagedserve serve --role
+worker` (launcher.cli), which `--role all`, the tests and the Helm chart all start.
 
 The engine itself runs on the thread of worker.engine_loop; this side reads the routers'
 messages, queues them to it as commands, and writes what it hands back.
 """
 
-import argparse
 import asyncio
 import itertools
 import json
@@ -19,18 +19,14 @@ import grpc
 from prometheus_client import CollectorRegistry
 
 from common import tracing
-from common.env_flags import apply_env
 from common.grpc_server import create_server, listen
-from common.log import setup_logging
 from common.metrics import WorkerMetrics, serve_metrics
-from common.ports import check_ports
 from common.pb import worker_pb2 as pb
 from common.pb import worker_pb2_grpc
 from worker import faults
 from worker.config import EngineConfig
 from worker.engine import LLMEngine
 from worker.engine_loop import EngineLoop, Session
-from worker.flags import WORKER_REFUSED, add_engine_args, engine_config_from_args
 from worker.models.loader import load_tokenizer
 
 log = logging.getLogger("pagedserve.worker")
@@ -235,40 +231,3 @@ def run_worker(config: EngineConfig, host: str = "0.0.0.0", port: int = 50061, w
     except ImportError:
         pass
     asyncio.run(serve_worker(config, host, port, worker_id, model_name, metrics_port=metrics_port))
-
-
-def main(argv: list[str] | None = None) -> None:
-    import sys
-
-
-    parser = argparse.ArgumentParser(prog="python -m worker.server", description="pagedserve worker")
-    add_engine_args(parser)
-    parser.add_argument("--host", default="0.0.0.0")
-    parser.add_argument("--worker-port", "--port", dest="port", type=int, default=50061)
-    parser.add_argument("--worker-id")
-    parser.add_argument("--served-model-name")
-    parser.add_argument("--metrics-port", type=int, default=9091,
-                        help="port of the Prometheus /metrics endpoint (0: off); tracing is set with "
-                             "the standard OTEL_* variables (docs/observability.md)")
-    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
-    parser.add_argument("--log-format", default="text", choices=("text", "json"),
-                        help="json: one JSON object per line")
-    apply_env(parser)
-    args = parser.parse_args(argv)
-    setup_logging(args.log_level, args.log_format)
-    try:
-        # Before the model loads, which can take minutes: a taken port is refused at once.
-        # The metrics port is not: without it the worker still serves (see serve_metrics).
-        check_ports([("--worker-port", args.host, args.port)])
-        run_worker(engine_config_from_args(args), args.host, args.port, args.worker_id,
-                   args.served_model_name, args.metrics_port)
-    except (OSError, ValueError) as error:
-        # A taken port, a bad model path or setting (the loader's ModelLoadError and the
-        # engine's checks are ValueErrors whose message names it): one line, no traceback. Any
-        # other exception is a bug and keeps its traceback.
-        print(f"worker: {error}", file=sys.stderr)
-        raise SystemExit(WORKER_REFUSED) from error
-
-
-if __name__ == "__main__":
-    main()
