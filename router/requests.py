@@ -13,15 +13,14 @@ import grpc
 
 from common.convert import sampling_params_from_proto
 from common.pb import generation_pb2 as pb
-from router.admission import reservation_tokens
-
-# Output tokens a request that set no max_tokens reserves (see PreparedRequest.reserved_tokens).
-UNSET_MAX_TOKENS_RESERVATION = 1024
 from common.sampling_params import InvalidRequest, SamplingParams, choice_seed
+from router.admission import reservation_tokens
 from router.errors import ApiError, invalid_argument
 from router.tokenizer import ChatTemplateError, RouterTokenizer
 
 MAX_REQUEST_ID_LENGTH = 256
+# Output tokens a request that set no max_tokens reserves (see PreparedRequest.reserved_tokens).
+UNSET_MAX_TOKENS_RESERVATION = 1024
 
 
 @dataclass(frozen=True)

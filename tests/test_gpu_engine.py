@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import save_tiny_llama
 
 from common.sampling_params import SamplingParams
 from worker.config import EngineConfig
@@ -14,27 +15,13 @@ from worker.engine import LLMEngine
 pytestmark = pytest.mark.gpu
 
 
-def tiny_llama(tmp_path, dtype=torch.float32):
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(1.0, 0.1)
-    model.save_pretrained(tmp_path)
-    return model.eval()
-
-
 def engine_for(path, dtype: str, **kw) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(path), device="cuda", dtype=dtype, num_blocks=256,
                                   max_num_seqs=32, max_num_batched_tokens=1024, **kw))
 
 
 def test_teacher_forced_logits_match_transformers_fp32(tmp_path):
-    hf = tiny_llama(tmp_path).cuda()
+    hf = save_tiny_llama(tmp_path).cuda()
     ids = torch.randint(0, 512, (300,), generator=torch.Generator().manual_seed(1)).tolist()
     ours = engine_for(tmp_path, "float32", enforce_eager=True).prompt_logits(ids)
     with torch.no_grad():
@@ -43,7 +30,7 @@ def test_teacher_forced_logits_match_transformers_fp32(tmp_path):
 
 
 def test_teacher_forced_logits_bf16_as_close_as_transformers_own_bf16(tmp_path):
-    hf = tiny_llama(tmp_path).cuda()
+    hf = save_tiny_llama(tmp_path).cuda()
     ids = torch.randint(0, 512, (300,), generator=torch.Generator().manual_seed(2)).tolist()
     x = torch.tensor([ids], device="cuda")
     with torch.no_grad():
@@ -58,7 +45,7 @@ def test_teacher_forced_logits_bf16_as_close_as_transformers_own_bf16(tmp_path):
 @pytest.mark.parametrize("num_requests", [16, 13])   # 13 replays the 16-graph with padding
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_greedy_identical_with_and_without_cuda_graphs(tmp_path, num_requests, dtype):
-    tiny_llama(tmp_path)
+    save_tiny_llama(tmp_path)
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 512, (40,), generator=gen).tolist() for _ in range(num_requests)]
     outputs = []
@@ -76,7 +63,7 @@ def test_greedy_identical_with_and_without_cuda_graphs(tmp_path, num_requests, d
 
 
 def test_seeded_sampling_on_gpu_is_reproducible(tmp_path):
-    tiny_llama(tmp_path)
+    save_tiny_llama(tmp_path)
     runs = []
     for extra in (0, 5):
         engine = engine_for(tmp_path, "bfloat16")
@@ -95,7 +82,7 @@ def test_async_scheduling_matches_synchronous_on_gpu(tmp_path):
     with CUDA graphs, change no token. (float32: a sequence that stopped computes one more
     step under async scheduling, so later batches differ, and bf16 rounding depends on the
     batch. Preemption under async scheduling is covered on the CPU.)"""
-    tiny_llama(tmp_path)
+    save_tiny_llama(tmp_path)
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 512, (int(n),), generator=gen).tolist()
                for n in torch.randint(8, 200, (24,), generator=gen)]
@@ -123,7 +110,7 @@ def test_async_scheduling_matches_synchronous_on_gpu(tmp_path):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_two_gpu_ranks_match_one(tmp_path, dtype):
     """Tensor parallelism over NCCL: the same greedy tokens, logits within the dtype's noise."""
-    tiny_llama(tmp_path)
+    save_tiny_llama(tmp_path)
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, 512, (int(n),), generator=gen).tolist() for n in (9, 60, 150, 300)]
     runs = []
@@ -148,15 +135,15 @@ def test_two_gpu_ranks_match_one(tmp_path, dtype):
 
 
 def test_async_scheduling_is_on_by_default_on_a_gpu(tmp_path):
-    tiny_llama(tmp_path)
+    save_tiny_llama(tmp_path)
     assert engine_for(tmp_path, "float32").config.async_scheduling is True
 
 
 COUNT_COMPILES_IN_STEPS = """
 import sys, torch, triton
+from common.sampling_params import SamplingParams
 from worker.config import EngineConfig
 from worker.engine import LLMEngine
-from common.sampling_params import SamplingParams
 
 engine = LLMEngine(EngineConfig(model=sys.argv[1], device="cuda", dtype=sys.argv[2], num_blocks=256,
                                 max_num_seqs=32, max_num_batched_tokens=256))
@@ -181,7 +168,7 @@ def test_serving_steps_compile_no_kernels_after_startup(tmp_path, dtype):
     """A kernel compiled inside the step loop stalls every running request for a second or
     more: startup compiles every variant the steps use. A fresh process, so no other test's
     compiles count."""
-    tiny_llama(tmp_path)
+    save_tiny_llama(tmp_path)
     result = subprocess.run([sys.executable, "-c", COUNT_COMPILES_IN_STEPS, str(tmp_path), dtype],
                             cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True,
                             timeout=600)

@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
+from common.sampling_params import SamplingParams
 from worker.sampler import (SampleResult, SamplingBatch, SamplingRow, filter_logits, apply_penalties, sample,
                             seeded_uniform)
-from common.sampling_params import SamplingParams
 
 V = 8
 

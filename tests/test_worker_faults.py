@@ -223,3 +223,32 @@ def test_frozen_worker_is_given_up_within_the_silence_timeout_and_its_requests_f
             asyncio.run(scenario())
         finally:
             frozen.process.send_signal(signal.SIGCONT)
+
+
+# ------------------------------------------------------------------------------ after a fault
+
+def test_a_submit_after_a_fault_is_handed_back_at_once_and_never_reaches_the_engine(make_engine):
+    """Between the fault and the worker's exit, routers may still send work: it goes straight
+    back (and the load reports say draining), not into an engine that no longer steps."""
+    from prometheus_client import CollectorRegistry
+
+    from common.metrics import WorkerMetrics
+    from common.pb import worker_pb2
+    from worker.engine_loop import EngineLoop, Session
+
+    engine = make_engine(num_blocks=64)
+    loop = EngineLoop(engine, WorkerMetrics("m", CollectorRegistry(), lambda: None, 16), "m")
+    loop._engine_fault(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    assert loop.draining
+
+    async def scenario() -> worker_pb2.Event:
+        session = Session("s1", asyncio.get_running_loop())
+        loop.submit(session, submit("late", [1, 2, 3], max_tokens=4).submit, time.monotonic())
+        await asyncio.sleep(0)      # Session.send queues through call_soon_threadsafe
+        return session.outbox.get_nowait().event
+
+    event = asyncio.run(scenario())
+    assert (event.request_id, event.kind, event.hand_back) == (
+        "late", worker_pb2.EVENT_KIND_PREEMPTED, worker_pb2.HAND_BACK_WORKER_FAULT)
+    assert event.message.startswith("device fault in step 1: CUDA error")
+    assert not engine.has_unfinished()

@@ -106,7 +106,7 @@ class EngineLoop:
         self.records: dict[str, RequestRecord] = {}  # engine key -> record, for every owned key
         self.draining = False
         self.fault: str | None = None              # what broke the engine, once it has
-        self.on_fault: Callable[[str], None] = lambda message: None
+        self.on_fault: Callable[[], None] = lambda: None
         self.last_progress = time.monotonic()
         self.stalled = False                       # set by the watchdog
         self.stats: EngineStats = engine.stats()
@@ -165,11 +165,12 @@ class EngineLoop:
         kind = "device fault" if faults.is_device_fault(error) else "engine fault"
         first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
         self.fault = f"{kind} in step {self.engine.num_steps + 1}: {first_line}"
+        self.draining = True        # admits nothing more: Submits are handed back at once
         # A device fault's Python traceback says nothing; an engine fault is a bug to find.
         log.error("%s; handing %d requests back to their routers and exiting", self.fault,
                   len(self.owner), exc_info=None if kind == "device fault" else error)
-        self._hand_back(self.fault, worker_fault=True)
-        self.on_fault(self.fault)
+        self._hand_back(self.fault, fault=True)
+        self.on_fault()
 
     def _run_commands(self) -> None:
         while True:
@@ -259,17 +260,17 @@ class EngineLoop:
             tracing.end_request_span(record.span, output_tokens=record.num_output, finish_reason=reason,
                                      ttft_s=record.ttft_s(), error=error, end_time_ns=tracing.span_time_ns(now))
 
-    def _hand_back(self, message: str, worker_fault: bool = False) -> None:
+    def _hand_back(self, message: str, fault: bool = False) -> None:
         """Gives every request back to its router for re-dispatch (PREEMPTED, recompute: the
         router resubmits prompt + the tokens it has received), then tells every session it
         holds nothing more (DRAINED). After a fault the engine is not touched: its state may
         be half-updated."""
         sessions = set(self.owner.values())
         for key, session in list(self.owner.items()):
-            if not worker_fault:
+            if not fault:
                 self.engine.abort(key)
-            self._forget(key, "failed" if worker_fault else "drained", message if worker_fault else None)
-            session.send(_handed_back(key.split("/", 1)[1], message, worker_fault))
+            self._forget(key, "failed" if fault else "drained", message if fault else None)
+            session.send(_handed_back(key.split("/", 1)[1], message, fault))
         for session in sessions | self.sessions_alive():
             session.send(_event("", pb.EVENT_KIND_DRAINED))
 

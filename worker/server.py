@@ -159,7 +159,7 @@ async def serve_worker(config: EngineConfig, host: str, port: int, worker_id: st
 
     stop = asyncio.Event()
     running_loop = asyncio.get_running_loop()
-    service.loop.on_fault = lambda message: running_loop.call_soon_threadsafe(stop.set)
+    service.loop.on_fault = lambda: running_loop.call_soon_threadsafe(stop.set)
     service.loop.start()
     await server.start()
     await set_health(health_pb2.HealthCheckResponse.SERVING)
