@@ -13,7 +13,7 @@ ENV_PREFIX = "PAGEDSERVE_"
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
-def env_name(action: argparse.Action) -> str:
+def _env_name(action: argparse.Action) -> str:
     return ENV_PREFIX + action.option_strings[0].lstrip("-").upper().replace("-", "_")
 
 
@@ -25,7 +25,7 @@ def apply_env(parser: argparse.ArgumentParser) -> None:
     for action in parser._actions:
         if not action.option_strings or action.dest == "help":
             continue
-        name = env_name(action)
+        name = _env_name(action)
         action.help = f"{action.help or ''} [env {name}]".strip()
         raw = os.environ.get(name)
         if raw is None:
