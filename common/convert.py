@@ -1,6 +1,13 @@
 """Conversions between protobuf messages and the engine's records, shared by router and worker."""
 
+from common.pb import worker_pb2
 from common.sampling_params import SamplingParams
+
+# The worker protocol's preemption modes by the names the engine, its flags and the metrics
+# labels use: the one table both sides translate with.
+PREEMPTION_MODES = {"swap": worker_pb2.PREEMPTION_MODE_SWAP,
+                    "recompute": worker_pb2.PREEMPTION_MODE_RECOMPUTE}
+PREEMPTION_MODE_NAMES = {mode: name for name, mode in PREEMPTION_MODES.items()}
 
 
 def _f32(x: float) -> float:

@@ -11,6 +11,10 @@ GREEDY_TEMPERATURE = 1e-5
 class InvalidRequest(ValueError):
     """A request field is out of range; the message names the field and what is allowed."""
 
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field      # the field's name, which the message starts with
+
 
 @dataclass
 class SamplingParams:
@@ -41,7 +45,7 @@ class SamplingParams:
     def validate(self, vocab_size: int | None = None) -> "SamplingParams":
         """Raises InvalidRequest naming the first bad field; returns self when all are valid."""
         def bad(name: str, allowed: str):
-            raise InvalidRequest(f"{name}={getattr(self, name)!r} is invalid: {allowed}")
+            raise InvalidRequest(f"{name}={getattr(self, name)!r} is invalid: {allowed}", name)
 
         if not isinstance(self.n, int) or not 1 <= self.n <= 128:
             bad("n", "must be an integer in [1, 128]")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import secrets
 import signal
@@ -127,6 +128,8 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 def _serve_role(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.role == "worker":
+        # Start-up shows progress through its silent stretches: importing torch takes seconds.
+        logging.getLogger("pagedserve.worker").info("worker starting: importing torch")
         from worker.server import run_worker     # imports torch: only a worker pays for it
         run_worker(engine_config_from_args(args), args.host, args.worker_port, args.worker_id,
                    model_name=(args.served_model_name or [None])[0],

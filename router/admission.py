@@ -29,11 +29,10 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-import contextlib
 import itertools
 import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -207,16 +206,6 @@ class Admission:
             raise
         finally:
             deadline.cancel()
-
-    @contextlib.asynccontextmanager
-    async def admit(self, tokens: int, choose: WorkerChooser,
-                    priority: int = 0) -> AsyncIterator[Reservation]:
-        """`async with admission.admit(...) as reservation:` reserves, and always releases."""
-        reservation = await self.reserve(tokens, choose, priority)
-        try:
-            yield reservation
-        finally:
-            reservation.release()
 
     def _place(self, tokens: int, choose: WorkerChooser) -> Reservation | None:
         if self._num_admitted >= self.config.max_concurrent_requests:

@@ -11,11 +11,14 @@ class ApiError(Exception):
     """Ends the call with `code` and a message that says what was wrong and what is allowed."""
 
     def __init__(self, code: grpc.StatusCode, message: str,
-                 retry_after_s: float | None = None) -> None:
+                 retry_after_s: float | None = None, *, field: str | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.retry_after_s = retry_after_s
+        # The request field it is about, as a path in the gRPC request ("params.max_tokens",
+        # "chat.messages[2].role"): the message starts with it. HTTP renames it (its param).
+        self.field = field
 
     @property
     def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
@@ -25,8 +28,8 @@ class ApiError(Exception):
         return (("retry-after", str(math.ceil(self.retry_after_s))),)
 
 
-def invalid_argument(message: str) -> ApiError:
-    return ApiError(grpc.StatusCode.INVALID_ARGUMENT, message)
+def invalid_argument(message: str, field: str | None = None) -> ApiError:
+    return ApiError(grpc.StatusCode.INVALID_ARGUMENT, message, field=field)
 
 
 def unavailable(message: str) -> ApiError:

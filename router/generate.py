@@ -33,6 +33,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind
 
 from common import tracing
+from common.convert import PREEMPTION_MODE_NAMES
 from common.pb import generation_pb2 as pb
 from common.pb import worker_pb2
 from router.admission import Reservation
@@ -47,8 +48,6 @@ log = logging.getLogger("pagedserve.router")
 
 _FINISH_REASONS = {worker_pb2.FINISH_REASON_STOP: pb.FINISH_REASON_STOP,
                    worker_pb2.FINISH_REASON_LENGTH: pb.FINISH_REASON_LENGTH}
-_PREEMPTION_MODES = {worker_pb2.PREEMPTION_MODE_SWAP: "swap",
-                     worker_pb2.PREEMPTION_MODE_RECOMPUTE: "recompute"}
 # The span events of the request's span for a choice's moves, by counter.
 _MOVE_EVENTS = {"redispatches": "redispatched", "migrations": "migrated"}
 
@@ -178,7 +177,7 @@ class GenerateRun:
         context = {"request_id": self.request.request_id, "choice": choice.index,
                    "dispatch": choice.dispatch_id, "worker": worker.worker_id}
         if event.kind == worker_pb2.EVENT_KIND_PREEMPTED:
-            mode = _PREEMPTION_MODES[event.mode]
+            mode = PREEMPTION_MODE_NAMES[event.mode]
             self._counters.count(f"preemptions_{mode}", "choice preempted", mode=mode,
                                  detail=event.message, **context)
             if self._span is not None:

@@ -100,15 +100,15 @@ def prepare_generate(request: pb.GenerateRequest, model: ServedModel) -> Prepare
     """Checks a Generate request and tokenizes its prompt; raises ApiError."""
     model.check_name(request.model)
     if problem := request_id_problem(request.request_id):
-        raise invalid_argument(problem)
+        raise invalid_argument(problem, "request_id")
     for i, stop in enumerate(request.params.stop):
         if not stop:
             raise invalid_argument(f"params.stop[{i}] is empty: a stop string needs at least one "
-                                   "character")
+                                   "character", f"params.stop[{i}]")
     if request.params.stop and model.tokenizer is None:
         raise invalid_argument(f"params.stop: the model {model.names[0]} is served without a "
                                "tokenizer, so there is no text to match stop strings in; use "
-                               "stop_token_ids")
+                               "stop_token_ids", "params.stop")
     prompt = encode_prompt(request, model)
     _check_prompt_length(request, prompt, model)
     params = _sampling_params(request, len(prompt), model)
@@ -141,7 +141,7 @@ def encode_prompt(request: pb.GenerateRequest | pb.TokenizeRequest,
         raise invalid_argument(f"input is missing: set one of {options}")
     if which != "token_ids" and model.tokenizer is None:
         raise invalid_argument(f"{which}: the model {model.names[0]} is served without a "
-                               "tokenizer, so prompts must be token_ids")
+                               "tokenizer, so prompts must be token_ids", which)
     if which == "text":
         return model.tokenizer.encode_text(request.text)
     if which == "chat":
@@ -150,7 +150,8 @@ def encode_prompt(request: pb.GenerateRequest | pb.TokenizeRequest,
     for position, token_id in enumerate(ids):
         if not 0 <= token_id < model.vocab_size:
             raise invalid_argument(f"token_ids.ids[{position}]={token_id} is out of range: "
-                                   f"token ids must be in [0, {model.vocab_size})")
+                                   f"token ids must be in [0, {model.vocab_size})",
+                                   f"token_ids.ids[{position}]")
     return ids
 
 
@@ -159,11 +160,11 @@ def _check_prompt_length(request: pb.GenerateRequest, ids: list[int], model: Ser
     field = {"text": "text", "token_ids": "token_ids.ids", "chat": "chat"}[
         request.WhichOneof("input")]
     if not ids:
-        raise invalid_argument(f"{field} is empty: the prompt needs at least one token")
+        raise invalid_argument(f"{field} is empty: the prompt needs at least one token", field)
     if len(ids) >= model.max_model_len:
         raise invalid_argument(
             f"{field}: the prompt has {len(ids)} tokens; at most {model.max_model_len - 1} are "
-            f"allowed (max_model_len={model.max_model_len}, minus one token to generate)")
+            f"allowed (max_model_len={model.max_model_len}, minus one token to generate)", field)
 
 
 def _sampling_params(request: pb.GenerateRequest, prompt_tokens: int,
@@ -180,9 +181,10 @@ def _sampling_params(request: pb.GenerateRequest, prompt_tokens: int,
     try:
         params.validate(model.vocab_size)
     except InvalidRequest as error:
-        raise invalid_argument(f"params.{error}") from None
+        raise invalid_argument(f"params.{error}", f"params.{error.field}") from None
     if params.max_tokens > room:
-        raise invalid_argument(_context_exceeded(request, prompt_tokens, params.max_tokens, model))
+        raise invalid_argument(_context_exceeded(request, prompt_tokens, params.max_tokens, model),
+                               "params.max_tokens")
     return params
 
 
@@ -199,15 +201,16 @@ def _context_exceeded(request: pb.GenerateRequest, prompt_tokens: int, max_token
 
 def _chat_token_ids(chat: pb.ChatMessages, tokenizer: RouterTokenizer) -> list[int]:
     if not chat.messages:
-        raise invalid_argument("chat.messages is empty: give at least one message")
+        raise invalid_argument("chat.messages is empty: give at least one message", "chat.messages")
     for position, message in enumerate(chat.messages):
         if not message.role:
             raise invalid_argument(f"chat.messages[{position}].role is empty: use for example "
-                                   "\"system\", \"user\" or \"assistant\"")
+                                   "\"system\", \"user\" or \"assistant\"",
+                                   f"chat.messages[{position}].role")
     add_generation_prompt = (chat.add_generation_prompt
                              if chat.HasField("add_generation_prompt") else True)
     try:
         return tokenizer.encode_chat([{"role": m.role, "content": m.content}
                                       for m in chat.messages], add_generation_prompt)
     except ChatTemplateError as error:
-        raise invalid_argument(f"chat: {error}") from None
+        raise invalid_argument(f"chat: {error}", "chat") from None

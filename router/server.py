@@ -27,24 +27,23 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from google.protobuf import descriptor_pb2, descriptor_pool
-from grpc_reflection.v1alpha import reflection, reflection_pb2
-
 from aiohttp import web
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, generate_latest
 
 from common.grpc_server import create_server, listen
-from common.pb import generation_pb2
 from common.metrics import RouterMetrics, serve_metrics
+from common.pb import generation_pb2
+from common.reflection import enable_reflection, pool_of
 from router.admission import Admission, AdmissionConfig
 from router.auth import ApiKeyInterceptor
 from router.counters import RouterCounters
 from router.discovery import Discovery
 from router.fleet import Fleet, FleetConfig
 from router.generate import RunConfig
+from router.grpc_api import SERVICE_NAME, GrpcApi
 from router.openai_api import OpenAIApi
-from router.service import SERVICE_NAME, GenerationService
+from router.service import GenerationService
 
 log = logging.getLogger("pagedserve.router")
 
@@ -52,18 +51,6 @@ log = logging.getLogger("pagedserve.router")
 # of a million tokens is 4-6 MB of text or at most 5 MB of token ids, so 8 MiB admits every
 # prompt a model can take and refuses the mistakes before they cost memory.
 MAX_REQUEST_BYTES = 8 * 2**20
-
-
-def _public_pool() -> descriptor_pool.DescriptorPool:
-    """What reflection describes: the public API, health and reflection. Not the default pool,
-    which also holds the router<->worker protocol the router speaks as a client: that one is
-    internal, and describing it on the public port would invite clients to it."""
-    pool = descriptor_pool.DescriptorPool()
-    for file in (generation_pb2.DESCRIPTOR, health_pb2.DESCRIPTOR, reflection_pb2.DESCRIPTOR):
-        proto = descriptor_pb2.FileDescriptorProto()
-        file.CopyToProto(proto)
-        pool.Add(proto)
-    return pool
 
 
 @dataclass(frozen=True)
@@ -130,10 +117,13 @@ class Router:
                         if self.config.api_key else [])
         server = create_server([("grpc.max_receive_message_length", self.config.max_request_bytes)],
                                interceptors)
-        server.add_generic_rpc_handlers((self.service.rpc_handler(),))
+        server.add_generic_rpc_handlers((GrpcApi(self.service).rpc_handler(),))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server, pool=_public_pool())
+        # What reflection describes: the public API and health. Not the router<->worker protocol
+        # the router speaks as a client: that one is internal, and describing it on the public
+        # port would invite clients to it.
+        enable_reflection(server, (SERVICE_NAME, health.SERVICE_NAME),
+                          pool_of((generation_pb2.DESCRIPTOR, health_pb2.DESCRIPTOR)))
         self.port = listen(server, self.config.host, self.config.port)
         await self._publish_health(serving=False)
         await server.start()

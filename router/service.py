@@ -1,13 +1,11 @@
-"""The public API, pagedserve.v1.Generation, served on grpc.aio.
+"""The router's service, whatever the transport: Generate, Tokenize, Detokenize and ModelInfo
+over pagedserve.v1 messages, raising ApiError (a gRPC status code, a message naming the
+problem and the field it is about). Two entrances call it alike: `router.grpc_api` (the
+Generation service on grpc.aio) and `router.openai_api` (the OpenAI HTTP API).
 
-Requests are parsed by the service's own deserializers: protobuf refuses a string field that
-holds invalid UTF-8, and gRPC reports a failed parse as INTERNAL; this service answers
-INVALID_ARGUMENT naming the field instead. Messages over the server's receive limit never get
-here: gRPC itself answers RESOURCE_EXHAUSTED.
-
-Status codes: INVALID_ARGUMENT names the bad field, NOT_FOUND is an unknown model,
-RESOURCE_EXHAUSTED (with "retry-after" trailing metadata, in seconds) is overload, UNAVAILABLE
-means no worker can serve, INTERNAL is a bug (logged with the request id).
+Codes: INVALID_ARGUMENT names the bad field, NOT_FOUND is an unknown model,
+RESOURCE_EXHAUSTED (with a retry hint) is overload, UNAVAILABLE means no worker can serve,
+INTERNAL is a bug (logged with the request id).
 
 Every Generate request, from gRPC or the HTTP API, is measured here (docs/observability.md):
 refused ones in `requests_rejected_total`, every other one in `requests_finished_total` once its
@@ -24,68 +22,40 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 
 import grpc
-from google.protobuf.message import DecodeError, Message
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from common import tracing
 from common.pb import generation_pb2 as pb
-from router.admission import Admission, NoWorkers, Overloaded, RequestTooLarge, Reservation
+from router.admission import (
+    Admission,
+    NoWorkers,
+    Overloaded,
+    RequestTooLarge,
+    Reservation,
+)
 from router.counters import RouterCounters
 from router.errors import ApiError, invalid_argument, unavailable
 from router.fleet import Fleet
 from router.generate import GenerateRun, RunConfig
-from router.requests import (PreparedRequest, ServedModel, encode_prompt, loggable_request_id,
-                             prepare_generate, request_id_problem)
-from router.wire import find_invalid_utf8
+from router.requests import (
+    PreparedRequest,
+    ServedModel,
+    encode_prompt,
+    loggable_request_id,
+    prepare_generate,
+)
 
 log = logging.getLogger("pagedserve.router")
 
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 # How the requests refused before admission are counted, by the status they get.
 _REJECTIONS = {grpc.StatusCode.INVALID_ARGUMENT: "invalid",
                grpc.StatusCode.RESOURCE_EXHAUSTED: "overloaded",
                grpc.StatusCode.UNAVAILABLE: "unavailable", grpc.StatusCode.NOT_FOUND: "not_found"}
-
-
-@dataclass(frozen=True)
-class _Unparsable:
-    """What the deserializer hands the handler instead of a request it could not parse."""
-
-    problem: str
-
-
-def _parser(message_type: type[Message]) -> Callable[[bytes], Message | _Unparsable]:
-    def parse(data: bytes) -> Message | _Unparsable:
-        try:
-            return message_type.FromString(data)
-        except DecodeError as error:
-            field = find_invalid_utf8(message_type.DESCRIPTOR, data)
-            if field is not None:
-                return _Unparsable(f"{field} is not valid UTF-8: string fields must hold "
-                                   "UTF-8 text")
-            return _Unparsable(f"the request is not a valid {message_type.DESCRIPTOR.full_name}:"
-                               f" {error}")
-    return parse
-
-
-def _request_id(request: pb.GenerateRequest | _Unparsable) -> str:
-    return "" if isinstance(request, _Unparsable) else request.request_id
-
-
-async def _abort(context: grpc.aio.ServicerContext, error: ApiError, request_id: str = "") -> None:
-    """Ends the call with `error`; its "request-id" trailer names the request as the logs do
-    (when the id is ASCII, as gRPC metadata must be)."""
-    trailers = error.trailing_metadata
-    # A refused id is not sent back: echoing a 66 KB one hung a grpc-js connection.
-    if request_id and request_id.isascii() and request_id_problem(request_id) is None:
-        trailers += (("request-id", request_id),)
-    await context.abort(error.code, error.message, trailing_metadata=trailers)
 
 
 class GenerationService:
@@ -103,22 +73,6 @@ class GenerationService:
         self._running: set[asyncio.Task] = set()   # the tasks streaming a Generate (gRPC or HTTP)
         self._closing = False
 
-    def rpc_handler(self) -> grpc.GenericRpcHandler:
-        """The service's methods with their lenient deserializers, for add_generic_rpc_handlers."""
-        def method(kind, behaviour, request_type: type[Message], response_type: type[Message]):
-            return kind(behaviour, request_deserializer=_parser(request_type),
-                        response_serializer=response_type.SerializeToString)
-        return grpc.method_handlers_generic_handler(SERVICE_NAME, {
-            "Generate": method(grpc.unary_stream_rpc_method_handler, self.generate,
-                               pb.GenerateRequest, pb.GenerateResponse),
-            "Tokenize": method(grpc.unary_unary_rpc_method_handler, _unary(self.tokenize),
-                               pb.TokenizeRequest, pb.TokenizeResponse),
-            "Detokenize": method(grpc.unary_unary_rpc_method_handler, _unary(self.detokenize),
-                                 pb.DetokenizeRequest, pb.DetokenizeResponse),
-            "ModelInfo": method(grpc.unary_unary_rpc_method_handler, _unary(self.model_info),
-                                pb.ModelInfoRequest, pb.ModelInfoResponse),
-        })
-
     def served_model(self) -> ServedModel:
         model = self._fleet.model
         if model is None:
@@ -127,26 +81,6 @@ class GenerationService:
                            model.vocab_size, model.tokenizer)
 
     # ---------------------------------------------------------------- Generate
-
-    async def generate(self, request: pb.GenerateRequest | _Unparsable,
-                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
-        """The gRPC method: `stream` with its errors turned into statuses."""
-        try:
-            if isinstance(request, _Unparsable):
-                self.reject("invalid", "", request.problem)
-                raise invalid_argument(request.problem)
-            parent = tracing.extract(context.invocation_metadata()) if tracing.enabled() else None
-            # aclosing: if the call ends at a yield, the inner stream is closed now, not whenever
-            # it is garbage-collected, so its worker-side abort and release happen at once.
-            async with contextlib.aclosing(self.stream(request, parent)) as responses:
-                async for response in responses:
-                    yield response
-        except ApiError as error:
-            await _abort(context, error, _request_id(request))
-        except asyncio.CancelledError:
-            if (error := self._shutting_down()) is None:
-                raise
-            await _abort(context, error, _request_id(request))
 
     async def end_running(self, grace_s: float) -> None:
         """On shutdown: lets running Generate streams finish within `grace_s`, then ends the
@@ -161,7 +95,7 @@ class GenerationService:
         if self._running:
             await asyncio.wait(set(self._running), timeout=5)
 
-    def _shutting_down(self) -> ApiError | None:
+    def shutting_down(self) -> ApiError | None:
         """The error a stream ends with when end_running cancelled it (None: it was not)."""
         if not self._closing:
             return None
@@ -175,28 +109,30 @@ class GenerationService:
         self._counters.count(f"rejected_{reason}", "request rejected", request_id=request_id,
                              error=message)
 
-    async def stream(self, request: pb.GenerateRequest, parent: Context | None = None
-                     ) -> AsyncIterator[pb.GenerateResponse]:
+    async def stream(self, request: pb.GenerateRequest, parent: Context | None = None,
+                     transport: Mapping[str, str] | None = None) -> AsyncIterator[pb.GenerateResponse]:
         """One Generate request, whatever the transport: validation, admission, dispatch. Yields
         its responses and raises ApiError. Closing the stream early (the client went away or its
         deadline passed) aborts the request on the workers; the reservation is always released.
-        `parent`: the client's trace context (from its gRPC metadata or HTTP headers). An empty
+        `parent`: the client's trace context (from its gRPC metadata or HTTP headers);
+        `transport`: the span attributes of the call that carried it (OpenTelemetry's RPC or
+        HTTP server conventions), so one SERVER span says both what was asked and how. An empty
         `request.request_id` is filled in first, so that even a refusal names the request."""
         request.request_id = request.request_id or uuid.uuid4().hex
         task = asyncio.current_task()
         self._running.add(task)
         try:
-            async with contextlib.aclosing(self._stream(request, parent)) as responses:
+            async with contextlib.aclosing(self._stream(request, parent, transport or {})) as responses:
                 async for response in responses:
                     yield response
         finally:
             self._running.discard(task)
 
-    async def _stream(self, request: pb.GenerateRequest, parent: Context | None
-                      ) -> AsyncIterator[pb.GenerateResponse]:
+    async def _stream(self, request: pb.GenerateRequest, parent: Context | None,
+                      transport: Mapping[str, str]) -> AsyncIterator[pb.GenerateResponse]:
         observed = _Observed(request, self._counters)
         if tracing.enabled():
-            observed.start_span(parent, self._model_label(request))
+            observed.start_span(parent, self._model_label(request), transport)
         try:
             with observed.step("validate_and_tokenize"):
                 prepared = await asyncio.to_thread(prepare_generate, request, self.served_model())
@@ -211,7 +147,7 @@ class GenerationService:
             observed.end("rejected", f"{error.code.name}: {error.message}")
             raise
         except BaseException as error:  # the client went away while it was queued, or a bug
-            if isinstance(error, asyncio.CancelledError) and (shutdown := self._shutting_down()):
+            if isinstance(error, asyncio.CancelledError) and (shutdown := self.shutting_down()):
                 observed.end("abort", f"{shutdown.code.name}: {shutdown.message}")
                 raise shutdown from None
             observed.end("cancelled" if isinstance(error, asyncio.CancelledError) else "error")
@@ -238,7 +174,7 @@ class GenerationService:
                 level = logging.ERROR
             raise
         except (asyncio.CancelledError, GeneratorExit) as stopped:
-            if isinstance(stopped, asyncio.CancelledError) and (error := self._shutting_down()):
+            if isinstance(stopped, asyncio.CancelledError) and (error := self.shutting_down()):
                 reason = "abort"
                 outcome = error_text = f"failed: {error.code.name}: {error.message}"
                 raise error from None
@@ -299,7 +235,8 @@ class GenerationService:
         for position, token_id in enumerate(request.token_ids):
             if not 0 <= token_id < model.vocab_size:
                 raise invalid_argument(f"token_ids[{position}]={token_id} is out of range: "
-                                       f"token ids must be in [0, {model.vocab_size})")
+                                       f"token ids must be in [0, {model.vocab_size})",
+                                       f"token_ids[{position}]")
         if model.tokenizer is None:
             raise invalid_argument(f"the model {model.names[0]} is served without a tokenizer, "
                                    "so token ids cannot be turned into text")
@@ -333,12 +270,13 @@ class _Observed:
         self._model = ""
         self._counters = counters
 
-    def start_span(self, parent: Context | None, model: str) -> None:
+    def start_span(self, parent: Context | None, model: str, transport: Mapping[str, str]) -> None:
         """Starts the request's span, at its arrival, as a child of the client's `parent`."""
         self._model = model
         self.span = tracing.start_span(
             f"{self._operation} {model}".strip(), parent=parent, kind=SpanKind.SERVER,
-            attributes={"gen_ai.operation.name": self._operation, "gen_ai.request.model": model},
+            attributes={"gen_ai.operation.name": self._operation, "gen_ai.request.model": model,
+                        **transport},
             start_time_ns=tracing.span_time_ns(self.started))
 
     @contextlib.contextmanager
@@ -393,14 +331,3 @@ class _Observed:
                                      finish_reason=reason, ttft_s=ttft_s, error=error,
                                      end_time_ns=tracing.span_time_ns(now))
 
-
-def _unary(method: Callable[[Message], Awaitable[Message]]):
-    """Wraps a unary method: unparsable requests and ApiErrors become their status codes."""
-    async def handle(request: Message | _Unparsable, context: grpc.aio.ServicerContext):
-        try:
-            if isinstance(request, _Unparsable):
-                raise invalid_argument(request.problem)
-            return await method(request)
-        except ApiError as error:
-            await _abort(context, error)
-    return handle

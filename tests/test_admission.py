@@ -214,17 +214,6 @@ def test_admission_waiter_cancelled_right_after_grant_releases_it():
     asyncio.run(scenario())
 
 
-def test_admission_context_releases_on_error():
-    async def scenario():
-        admission = admission_with(100)
-        with pytest.raises(RuntimeError):
-            async with admission.admit(70, first) as reservation:
-                assert reservation.worker.reserved_tokens == 70
-                raise RuntimeError("the stream broke")
-        assert_nothing_reserved(admission)
-    asyncio.run(scenario())
-
-
 def test_admission_caps_concurrent_requests():
     async def scenario():
         admission = admission_with(1000, max_concurrent_requests=1)

@@ -5,6 +5,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -22,6 +23,8 @@ from common.pb import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb
 from worker_process import REPO, free_port, module_command
 
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
+# A log line of start-up progress: "2026-12-01 11:43:53,310 INFO pagedserve.worker ...".
+PROGRESS_LINE = re.compile(r"^\d{4}-\d\d-\d\d [\d:,]+ INFO pagedserve\.")
 
 
 def parse_serve(argv, monkeypatch, **env):
@@ -155,7 +158,9 @@ def test_start_up_error_is_one_line_without_traceback(role, flags, message, tmp_
     flags = [str(damaged) if flag == "DAMAGED" else flag for flag in flags]
     result = run_to_end("launcher.cli", *serve_args(role), *flags)
     assert result.returncode != 0
-    [line] = result.stderr.splitlines()     # with --role all the worker's, said once
+    # Besides the INFO lines start-up shows its progress with, one line: with --role all the
+    # worker's, said once.
+    [line] = [line for line in result.stderr.splitlines() if not PROGRESS_LINE.match(line)]
     assert line.startswith("pagedserve: ")
     assert message in line
 

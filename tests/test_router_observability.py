@@ -166,6 +166,7 @@ def test_a_request_is_one_trace_across_client_router_and_worker(traced_router, r
     assert (a["gen_ai.usage.input_tokens"], a["gen_ai.usage.output_tokens"]) == (len(prompt), 6)
     assert a["gen_ai.response.finish_reasons"] == ("length",)
     assert 0 < a["gen_ai.response.time_to_first_chunk"] < duration_s
+    assert (a["rpc.system"], a["rpc.service"], a["rpc.method"]) == ("grpc", "pagedserve.v1.Generation", "Generate")
 
 
 def test_an_http_chat_request_continues_the_callers_trace(traced_router, receiver):
@@ -186,6 +187,7 @@ def test_an_http_chat_request_continues_the_callers_trace(traced_router, receive
     assert on_worker.span.parent_span_id == dispatch.span.span_id
     a = served.attributes
     assert a["gen_ai.operation.name"] == "chat"
+    assert (a["http.request.method"], a["http.route"], a["url.scheme"]) == ("POST", "/v1/chat/completions", "http")
     assert (a["gen_ai.usage.input_tokens"], a["gen_ai.usage.output_tokens"]) == (
         usage["prompt_tokens"], usage["completion_tokens"])
 

@@ -23,19 +23,19 @@ from dataclasses import dataclass, field
 from opentelemetry.trace import Span, SpanKind
 
 from common import tracing
-from common.convert import sampling_params_from_proto
+from common.convert import PREEMPTION_MODES, sampling_params_from_proto
 from common.metrics import WorkerMetrics
 from common.pb import worker_pb2 as pb
 from common.sampling_params import InvalidRequest
 from worker import faults
 from worker.engine import EngineEvent, EngineStats, LLMEngine, RequestOutput
+from worker.scheduler import RECOMPUTE
 from worker.sequence import FinishReason
 
 log = logging.getLogger("pagedserve.worker")
 
 FINISH = {FinishReason.STOP: pb.FINISH_REASON_STOP, FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
           FinishReason.ABORT: pb.FINISH_REASON_ABORT, None: pb.FINISH_REASON_NONE}
-MODES = {"swap": pb.PREEMPTION_MODE_SWAP, "recompute": pb.PREEMPTION_MODE_RECOMPUTE, None: 0}
 EVENT_KINDS = {"admitted": pb.EVENT_KIND_ADMITTED, "preempted": pb.EVENT_KIND_PREEMPTED,
                "resumed": pb.EVENT_KIND_RESUMED}
 
@@ -80,13 +80,13 @@ def _delta(request_id: str, out: RequestOutput) -> pb.RequestDelta:
 
 def _event(request_id: str, kind: int, mode: str | None = None, message: str = "",
            worker_fault: bool = False, hand_back: int = pb.HAND_BACK_UNSPECIFIED) -> pb.WorkerMessage:
-    return pb.WorkerMessage(event=pb.Event(request_id=request_id, kind=kind, mode=MODES[mode], message=message,
+    return pb.WorkerMessage(event=pb.Event(request_id=request_id, kind=kind, mode=PREEMPTION_MODES.get(mode, 0), message=message,
                                            worker_fault=worker_fault, hand_back=hand_back))
 
 
 def _handed_back(request_id: str, message: str, fault: bool) -> pb.WorkerMessage:
     """The PREEMPTED that gives a request back to its router for good (a drain or a fault)."""
-    return _event(request_id, pb.EVENT_KIND_PREEMPTED, "recompute", message,
+    return _event(request_id, pb.EVENT_KIND_PREEMPTED, RECOMPUTE, message,
                   hand_back=pb.HAND_BACK_WORKER_FAULT if fault else pb.HAND_BACK_DRAINING)
 
 

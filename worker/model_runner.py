@@ -83,12 +83,14 @@ class ModelRunner:
         self.graphs = None
         if self.device.type == "cuda":
             self._alloc_staging()
+            log.info("compiling the attention kernels of mixed steps")
             self._compile_eager_kernels()
             # Tensor-parallel ranks run eagerly: their collectives are not captured (yet).
             if not config.enforce_eager and shard.size == 1:
                 self.graphs = DecodeGraphs(
                     self.model, min(config.max_num_seqs, config.max_num_batched_tokens),
                     self.max_blocks_per_seq, self.max_model_len, cfg.hidden_size, self.dtype, self.device)
+                log.info("capturing CUDA graphs of decode steps for %d batch sizes", len(self.graphs.sizes))
                 self.graphs.capture()
         log.info("model %s on %s (%s): %d KV blocks of %d tokens = %d tokens, %.2f GiB",
                  cfg.architecture, self.device, str(self.dtype).removeprefix("torch."), self.num_blocks,

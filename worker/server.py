@@ -19,19 +19,21 @@ import grpc
 from prometheus_client import CollectorRegistry
 
 from common import tracing
+from common.convert import PREEMPTION_MODE_NAMES
 from common.grpc_server import create_server, listen
 from common.metrics import WorkerMetrics, serve_metrics
 from common.pb import worker_pb2 as pb
 from common.pb import worker_pb2_grpc
+from common.reflection import enable_reflection, pool_of
 from worker import faults
 from worker.config import EngineConfig
 from worker.engine import LLMEngine
 from worker.engine_loop import EngineLoop, Session
 from worker.models.loader import load_tokenizer
+from worker.scheduler import SWAP
 
 log = logging.getLogger("pagedserve.worker")
 
-MODE_NAMES = {pb.PREEMPTION_MODE_SWAP: "swap", pb.PREEMPTION_MODE_RECOMPUTE: "recompute"}
 LOAD_REPORT_INTERVAL_S = 0.2
 
 
@@ -57,6 +59,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             max_num_batched_tokens=e.config.max_num_batched_tokens, vocab_size=cfg.vocab_size,
             eos_token_ids=sorted(e.eos_token_ids), tensor_parallel_size=e.config.tensor_parallel_size,
             prefix_caching=e.config.enable_prefix_caching)
+        log.info("reading the tokenizer of %s, for the routers", e.source.name)
         tokenizer = load_tokenizer(e.source)
         if tokenizer is not None:
             info.tokenizer_json = tokenizer.backend_tokenizer.to_str().encode()
@@ -99,11 +102,11 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                     loop.call(lambda ids=list(msg.abort.request_ids), stop=msg.abort.stop_string:
                               loop.abort(session, ids, stop))
                 elif kind == "preempt":
-                    mode = MODE_NAMES.get(msg.preempt.mode)
+                    mode = PREEMPTION_MODE_NAMES.get(msg.preempt.mode)
                     loop.call(lambda r=msg.preempt.request_id: loop.preempt(session, r, mode))
                 elif kind == "swap_out":
                     for r in msg.swap_out.request_ids:
-                        loop.call(lambda r=r: loop.preempt(session, r, "swap", hold=True))
+                        loop.call(lambda r=r: loop.preempt(session, r, SWAP, hold=True))
                 elif kind == "swap_in":
                     for r in msg.swap_in.request_ids:
                         loop.call(lambda r=r: loop.swap_in(session, r))
@@ -135,7 +138,6 @@ async def serve_worker(config: EngineConfig, host: str, port: int, worker_id: st
     After an engine fault it hands the requests back, stops, and raises
     SystemExit(faults.EXIT_CODE) for its supervisor to restart it."""
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-    from grpc_reflection.v1alpha import reflection
 
     started = time.monotonic()
     tracing.setup_tracing("pagedserve-worker")
@@ -144,6 +146,7 @@ async def serve_worker(config: EngineConfig, host: str, port: int, worker_id: st
     # The port is taken before the model loads, so a port in use fails in a second, not after
     # minutes of loading; clients are answered once the server starts.
     bound = listen(server, host, port)
+    log.info("loading the model %s", "(the embedded default)" if config.model == "default" else config.model)
     engine = LLMEngine(config)
     service = WorkerService(engine, worker_id or f"{socket.gethostname()}:{port}",
                             model_name or engine.source.name)
@@ -151,7 +154,8 @@ async def serve_worker(config: EngineConfig, host: str, port: int, worker_id: st
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     service_name = pb.DESCRIPTOR.services_by_name["Worker"].full_name
-    reflection.enable_server_reflection([service_name, reflection.SERVICE_NAME, health.SERVICE_NAME], server)
+    enable_reflection(server, (service_name, health.SERVICE_NAME),
+                      pool_of((pb.DESCRIPTOR, health_pb2.DESCRIPTOR)))
 
     async def set_health(status) -> None:
         for name in ("", service_name):

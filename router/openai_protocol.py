@@ -1,0 +1,432 @@
+"""The OpenAI HTTP protocol, apart from the HTTP server: request bodies parsed and checked into
+the gRPC API's `GenerateRequest`s, responses rendered as OpenAI JSON, and the service's errors
+turned into OpenAI error objects naming the field as the client sent it.
+
+Nothing here knows aiohttp: `router.openai_api` reads bodies and writes responses with these.
+Checks here are of shape and type (what JSON can get wrong); ranges are the gRPC API's rules,
+checked once for both APIs by `router.requests`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import grpc
+
+from common.pb import generation_pb2 as pb
+from router.errors import ApiError
+
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+# OpenAI's error types; 5xx are all "server_error". `code` is a string or null, as in OpenAI's
+# schema (typed clients reject a number there).
+ERROR_TYPE = {401: "authentication_error", 429: "rate_limit_error"}
+ERROR_CODE = {401: "invalid_api_key"}
+INT32 = (-2**31, 2**31 - 1)
+FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort"}
+
+# gRPC field paths (ApiError.field) as an HTTP client names them, by leading piece: the
+# longest piece that leads a path wins ("chat.messages[0].role" -> "messages[0].role").
+HTTP_NAMES = {"params.": "", "text": "prompt", "token_ids.ids": "prompt", "token_ids": "tokens",
+              "chat.messages": "messages", "chat": "messages"}
+# ... and as a chat client names them: top_logprobs is what it asks for logprobs with.
+CHAT_NAMES = HTTP_NAMES | {"params.logprobs": "top_logprobs"}
+
+
+class HttpError(Exception):
+    """An OpenAI error response: status, message and the request field it is about."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 retry_after_s: float | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.retry_after_s = status, message, param, retry_after_s
+        self.code = code or ERROR_CODE.get(status)
+
+    @classmethod
+    def from_api(cls, error: ApiError, names: dict[str, str] = HTTP_NAMES) -> HttpError:
+        """The service's error as the HTTP client sees it: its field (`error.field`, a gRPC
+        path) named as in the client's request, in `param` and where the message starts with it."""
+        message, param, code = error.message, None, None
+        if error.field is not None:
+            param = http_field(error.field, names)
+            if message.startswith(error.field):
+                message = param + message[len(error.field):]
+        elif error.code == grpc.StatusCode.NOT_FOUND:     # the only NOT_FOUND: an unknown model
+            param, code = "model", "model_not_found"
+        return cls(HTTP_STATUS.get(error.code, 500), message, param, error.retry_after_s, code)
+
+    def json(self) -> dict:
+        kind = "server_error" if self.status >= 500 else ERROR_TYPE.get(self.status, "invalid_request_error")
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+def http_field(path: str, names: dict[str, str]) -> str:
+    """A gRPC field path renamed by the longest of `names` that leads it as a whole piece."""
+    for piece in sorted(names, key=len, reverse=True):
+        rest = path[len(piece):]
+        if path.startswith(piece) and (piece.endswith(".") or rest[:1] in ("", ".", "[")):
+            return names[piece] + rest
+    return path
+
+
+def names_for(body: dict, *, chat: bool) -> dict[str, str]:
+    """How the client of this body names the gRPC fields."""
+    if not chat:
+        return HTTP_NAMES
+    if body.get("max_completion_tokens") is not None:
+        return CHAT_NAMES | {"params.max_tokens": "max_completion_tokens"}
+    return CHAT_NAMES
+
+
+# ------------------------------------------------------------------ request parsing
+
+def body_field(body: dict, name: str, kinds: tuple[type, ...], default: Any = None,
+           limits: tuple[int, int] = INT32) -> Any:
+    """body[name] checked against `kinds`; an integer also against `limits` (the range of the
+    gRPC field it goes into), or made a float for a number field; a string for being encodable
+    text."""
+    value = body.get(name, default)
+    if value is None:
+        return default
+    # bool is an int in Python: only accept it where bool is asked for.
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        allowed = " or ".join("boolean" if k is bool else "integer" if k is int else "number"
+                              if k is float else "string" if k is str else "array" if k is list
+                              else "object" for k in kinds)
+        raise HttpError(400, f"{name} must be {allowed}, got {json.dumps(value)[:80]}", name)
+    if isinstance(value, int) and not isinstance(value, bool):
+        if float in kinds:  # a number field: its range is the gRPC API's, checked later
+            return _as_float(value, name)
+        _check_int(value, name, limits)
+    if isinstance(value, str):
+        _check_text(value, name)
+    return value
+
+
+def _check_int(value: int, name: str, limits: tuple[int, int] = INT32) -> None:
+    if not limits[0] <= value <= limits[1]:
+        what = "a 32-bit integer" if limits == INT32 else f"an integer in [{limits[0]}, {limits[1]}]"
+        raise HttpError(400, f"{name}={value} is out of range: the field holds {what}", name)
+
+
+def _as_float(value: int, name: str) -> float:
+    """An integer sent for a number field, as the float the field holds."""
+    try:
+        return float(value)
+    except OverflowError:
+        raise HttpError(400, f"{name} is out of range: the number has {len(str(abs(value)))} digits",
+                        name) from None
+
+
+def int_list(values: list, name: str) -> list[int]:
+    """An array of integers that fit the gRPC API's int32 fields (token ids)."""
+    for i, value in enumerate(values):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise HttpError(400, f"{name} must be an array of integers", name)
+        _check_int(value, f"{name}[{i}]")
+    return values
+
+
+def _check_text(value: str, name: str) -> None:
+    """JSON can escape a lone UTF-16 surrogate ("\\ud800"), which is no Unicode text."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise HttpError(400, f"{name} is not valid Unicode text: it holds a lone UTF-16 "
+                        "surrogate", name) from None
+
+
+
+def parse_body(text: str) -> dict:
+    """A request body: a JSON object."""
+    try:
+        body = json.loads(text, parse_int=_json_int)
+    except json.JSONDecodeError as error:
+        raise HttpError(400, f"the body is not valid JSON: {error}") from None
+    except RecursionError:
+        raise HttpError(400, "the body is not valid JSON here: it is nested too deeply") from None
+    if not isinstance(body, dict):
+        raise HttpError(400, "the body must be a JSON object")
+    return body
+
+
+def _json_int(digits: str) -> int:
+    """A JSON integer. One longer than Python converts (4300 digits by default) is a 400 naming
+    the problem instead of a ValueError."""
+    try:
+        return int(digits)
+    except ValueError:
+        raise HttpError(400, f"the body holds an integer of {len(digits.lstrip('-'))} digits, "
+                        "far more than any field takes") from None
+
+
+def sampling_parameters(body: dict, *, chat: bool) -> pb.SamplingParameters:
+    """OpenAI fields plus the gRPC API's extra sampling fields, type-checked; ranges are
+    checked with the gRPC API's rules later."""
+    p = pb.SamplingParameters()
+    max_tokens = body_field(body, "max_completion_tokens", (int,)) if chat else None
+    max_tokens = max_tokens if max_tokens is not None else body_field(body, "max_tokens", (int,))
+    if max_tokens is not None:
+        p.max_tokens = max_tokens
+    for name in ("temperature", "top_p", "repetition_penalty"):
+        value = body_field(body, name, (int, float))
+        if value is not None:
+            setattr(p, name, value)
+    for name in ("presence_penalty", "frequency_penalty", "min_p"):
+        setattr(p, name, body_field(body, name, (int, float), 0.0))
+    for name in ("n", "top_k"):
+        value = body_field(body, name, (int,))
+        if value is not None:
+            setattr(p, name, value)
+    seed = body_field(body, "seed", (int,), limits=(0, 2**63 - 1))
+    if seed is not None:
+        p.seed = seed
+    p.min_tokens = body_field(body, "min_tokens", (int,), 0)
+    p.ignore_eos = body_field(body, "ignore_eos", (bool,), False)
+    stop = body_field(body, "stop", (str, list), [])
+    stop = [stop] if isinstance(stop, str) else stop
+    if not all(isinstance(s, str) for s in stop):
+        raise HttpError(400, "stop must be a string or an array of strings", "stop")
+    for i, s in enumerate(stop):
+        _check_text(s, f"stop[{i}]")
+    p.stop.extend(stop)
+    p.stop_token_ids.extend(int_list(body_field(body, "stop_token_ids", (list,), []), "stop_token_ids"))
+    if chat:
+        if body_field(body, "logprobs", (bool,), False):
+            p.logprobs = body_field(body, "top_logprobs", (int,), 0)
+        elif body.get("top_logprobs") is not None:
+            raise HttpError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+    else:
+        logprobs = body_field(body, "logprobs", (int,))
+        if logprobs is not None:
+            p.logprobs = logprobs
+    best_of = body_field(body, "best_of", (int,))
+    if best_of is not None and best_of != (p.n if p.HasField("n") else 1):
+        raise HttpError(400, "best_of is not supported (it must equal n)", "best_of")
+    if not chat and body_field(body, "echo", (bool,), False):
+        raise HttpError(400, "echo=true is not supported", "echo")
+    if body_field(body, "logit_bias", (dict,), {}):
+        raise HttpError(400, "logit_bias is not supported", "logit_bias")
+    _refuse_unsupported(body, chat=chat)
+    return p
+
+
+def _refuse_unsupported(body: dict, *, chat: bool) -> None:
+    """OpenAI features this server does not have are refused, not silently ignored: a client
+    asking for JSON output or tool calls would otherwise get plain text it cannot use."""
+    if not chat:
+        if body_field(body, "suffix", (str,)):
+            raise HttpError(400, "suffix is not supported", "suffix")
+        return
+    for name in ("tools", "functions"):
+        if body_field(body, name, (list,)):
+            raise HttpError(400, f"{name} are not supported: this server does not parse tool "
+                            "calls; send the conversation as plain messages", name)
+    for name in ("tool_choice", "function_call"):
+        if body.get(name) not in (None, "none"):
+            raise HttpError(400, f"{name} is not supported (tool calls are not parsed)", name)
+    response_format = body_field(body, "response_format", (dict,), {})
+    if response_format.get("type", "text") != "text":
+        raise HttpError(400, f"response_format type {json.dumps(response_format.get('type'))[:40]}"
+                        " is not supported: only text", "response_format")
+
+
+MAX_PROMPTS = 256     # prompts in one completions request (each is admitted as one request)
+
+
+def generate_requests(body: dict, *, chat: bool, request_id: str) -> list[pb.GenerateRequest]:
+    """The gRPC requests of one HTTP request: one, or one per prompt of a completions batch
+    (ids `<request_id>-<i>`)."""
+    body_field(body, "user", (str,))       # accepted for OpenAI clients; type-checked, unused
+    request = pb.GenerateRequest(model=body_field(body, "model", (str,), ""), request_id=request_id,
+                                 params=sampling_parameters(body, chat=chat),
+                                 priority=body_field(body, "priority", (int,), 0),
+                                 include_stop_str_in_output=body_field(body, "include_stop_str_in_output", (bool,), False))
+    skip = body_field(body, "skip_special_tokens", (bool,))
+    if skip is not None:
+        request.skip_special_tokens = skip
+    if chat:
+        request.chat.CopyFrom(chat_messages(body))
+        return [request]
+    prompts = completion_prompts(body.get("prompt"))
+    requests = []
+    for i, prompt in enumerate(prompts):
+        one = pb.GenerateRequest()
+        one.CopyFrom(request)
+        if len(prompts) > 1:
+            one.request_id = f"{request_id}-{i}"
+        if isinstance(prompt, str):
+            one.text = prompt
+        else:
+            one.token_ids.ids.extend(prompt)
+        requests.append(one)
+    return requests
+
+
+def completion_prompts(prompt) -> list[str | list[int]]:
+    """A completions `prompt`: a string, token ids, or an array of either (a batch)."""
+    def is_ids(value) -> bool:
+        return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+    if prompt is None:
+        raise HttpError(400, "prompt is required", "prompt")
+    if isinstance(prompt, str) or (is_ids(prompt) and prompt):
+        batch, names = [prompt], ["prompt"]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or is_ids(p) for p in prompt):
+        batch, names = prompt, [f"prompt[{i}]" for i in range(len(prompt))]
+    else:
+        raise HttpError(400, "prompt must be a string, an array of token ids, or an array of "
+                        "strings or of token-id arrays", "prompt")
+    if len(batch) > MAX_PROMPTS:
+        raise HttpError(400, f"prompt holds {len(batch)} prompts; at most {MAX_PROMPTS} are allowed "
+                        "in one request", "prompt")
+    for one, name in zip(batch, names):
+        if isinstance(one, str):
+            _check_text(one, name)
+        else:
+            int_list(one, name)
+    return batch
+
+
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def chat_messages(body: dict) -> pb.ChatMessages:
+    messages = body_field(body, "messages", (list,))
+    if not messages:
+        raise HttpError(400, "messages is required and must not be empty", "messages")
+    chat = pb.ChatMessages()
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES:
+            raise HttpError(400, f"messages[{i}] must be an object whose role is one of "
+                            f"{', '.join(CHAT_ROLES)}", f"messages[{i}].role")
+        name = f"messages[{i}].content"
+        content = m.get("content")
+        if content is None and m["role"] == "assistant":   # an assistant turn may be empty
+            content = ""
+        if isinstance(content, list):          # content parts: only text is understood
+            if any(not isinstance(part, dict) or part.get("type") != "text"
+                   or not isinstance(part.get("text"), str) for part in content):
+                raise HttpError(400, f"{name}: only text parts ({{\"type\": \"text\", \"text\": "
+                                "string}) are supported", name)
+            content = "".join(part["text"] for part in content)
+        if not isinstance(content, str):
+            raise HttpError(400, f"{name} must be a string or an array of text parts", name)
+        _check_text(content, name)
+        chat.messages.add(role=m["role"], content=content)
+    return chat
+
+
+# ------------------------------------------------------------------ responses
+
+def _completion_logprobs(entries, text_offset: int) -> dict:
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    for entry in entries:
+        tokens.append(entry.sampled.text)
+        token_logprobs.append(entry.sampled.logprob)
+        # OpenAI lists the sampled token among the top ones even when it ranks lower.
+        top.append({t.text: t.logprob for t in entry.top} | {entry.sampled.text: entry.sampled.logprob})
+        offsets.append(text_offset)
+        text_offset += len(entry.sampled.text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def _chat_logprobs(entries) -> dict:
+    def one(lp):
+        return {"token": lp.text, "logprob": lp.logprob, "bytes": list(lp.text.encode())}
+    return {"content": [one(e.sampled) | {"top_logprobs": [one(t) for t in e.top]} for e in entries]}
+
+
+class Accumulator:
+    """Collects the stream of one request into whole choices (non-streaming responses)."""
+
+    def __init__(self, n: int, chat: bool, want_logprobs: bool):
+        self.chat, self.want_logprobs = chat, want_logprobs
+        self.text = [""] * n
+        self.logprobs: list[list] = [[] for _ in range(n)]
+        self.finish: list[str | None] = [None] * n
+        self.usage: pb.Usage | None = None
+
+    def add(self, response: pb.GenerateResponse) -> None:
+        for c in response.choices:
+            self.text[c.index] += c.text
+            self.logprobs[c.index].extend(c.logprobs)
+            if c.finish_reason:
+                self.finish[c.index] = FINISH.get(c.finish_reason)
+        if response.HasField("usage") and response.usage.completion_tokens + response.usage.total_tokens:
+            self.usage = response.usage
+
+    def choices(self) -> list[dict]:
+        out = []
+        for i, text in enumerate(self.text):
+            logprobs = None
+            if self.want_logprobs:
+                logprobs = _chat_logprobs(self.logprobs[i]) if self.chat else _completion_logprobs(self.logprobs[i], 0)
+            choice = {"index": i, "logprobs": logprobs, "finish_reason": self.finish[i]}
+            choice |= {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
+            out.append(choice)
+        return out
+
+
+def usage_json(usage: pb.Usage | None) -> dict:
+    usage = usage or pb.Usage()
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.total_tokens}
+
+
+
+def model_json(name: str, max_model_len: int) -> dict:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "pagedserve",
+            "max_model_len": max_model_len}
+
+
+def response_meta(request_id: str, model: str, *, chat: bool) -> dict:
+    """The fields every response and chunk of one request shares."""
+    return {"id": ("chatcmpl-" if chat else "cmpl-") + request_id, "created": int(time.time()),
+            "model": model}
+
+
+def completion_json(meta: dict, acc: Accumulator) -> dict:
+    return meta | {"object": "chat.completion" if acc.chat else "text_completion",
+                   "choices": acc.choices(), "usage": usage_json(acc.usage)}
+
+
+def role_chunk(n: int) -> dict:
+    """A chat stream's first chunk: each choice's assistant role, before any content."""
+    return {"choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                         "logprobs": None, "finish_reason": None} for i in range(n)]}
+
+
+def chunk_choices(response: pb.GenerateResponse, *, chat: bool, want_logprobs: bool,
+                  offsets: list[int]) -> list[dict]:
+    """A stream chunk's choices from one response: those with text, an end or logprobs.
+    `offsets` (text streamed so far, per choice) advances: completions' logprobs count from it."""
+    choices = []
+    for c in response.choices:
+        logprobs = None
+        if want_logprobs and c.logprobs:
+            logprobs = _chat_logprobs(c.logprobs) if chat else _completion_logprobs(c.logprobs, offsets[c.index])
+        offsets[c.index] += len(c.text)
+        choice = {"index": c.index, "logprobs": logprobs, "finish_reason": FINISH.get(c.finish_reason)}
+        choice |= {"delta": {"content": c.text}} if chat else {"text": c.text}
+        if c.text or c.finish_reason or logprobs:
+            choices.append(choice)
+    return choices
+
+
+def naming_prompt(error: ApiError, prompt: int) -> ApiError:
+    """An error about one prompt of a completions batch, naming it as `prompt[i]`."""
+    field = error.field or ""
+    for piece in ("token_ids.ids", "text"):
+        if field == piece or field.startswith(piece + "["):
+            path = f"prompt[{prompt}]{field[len(piece):]}"
+            message = error.message
+            if message.startswith(field):
+                message = path + message[len(field):]
+            return ApiError(error.code, message, error.retry_after_s, field=path)
+    return error

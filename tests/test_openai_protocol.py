@@ -1,0 +1,210 @@
+"""router.openai_protocol: OpenAI bodies parsed into gRPC requests, errors named as the client
+sent them. Each body goes where the HTTP API sends it (parse, then the service's validation of
+the gRPC request); the HTTP server itself is specified in test_http_api.py."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from common.pb import generation_pb2 as pb
+from router.errors import ApiError
+from router.openai_protocol import (
+    HttpError, chunk_choices, generate_requests, http_field, names_for, naming_prompt, parse_body)
+from router.requests import ServedModel, prepare_generate
+from router.tokenizer import RouterTokenizer
+
+PROMPT = "The capital of France is"
+MODEL = "smollm2"
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def served(smollm_tokenizer) -> ServedModel:
+    return ServedModel((MODEL,), 2048, vocab_size=49152, tokenizer=RouterTokenizer(smollm_tokenizer))
+
+
+def refusal(body: dict, served: ServedModel, *, chat: bool = False) -> dict:
+    """The OpenAI error object the HTTP API answers `body` with (the test fails if it is
+    accepted), plus its HTTP status."""
+    try:
+        requests = generate_requests(body, chat=chat, request_id="r")
+        for i, request in enumerate(requests):
+            try:
+                prepare_generate(request, served)
+            except ApiError as error:
+                raise naming_prompt(error, i) if len(requests) > 1 else error
+    except HttpError as error:
+        return error.json()["error"] | {"status": error.status}
+    except ApiError as error:
+        http = HttpError.from_api(error, names_for(body, chat=chat))
+        return http.json()["error"] | {"status": http.status}
+    pytest.fail(f"{body} was accepted")
+
+
+def completion(**fields) -> dict:
+    return {"model": MODEL, "prompt": PROMPT, "max_tokens": 4} | fields
+
+
+# ------------------------------------------------------------------ bodies
+
+def test_malformed_json_is_400():
+    with pytest.raises(HttpError, match="not valid JSON") as refused:
+        parse_body("{not json")
+    assert refused.value.status == 400
+
+
+def test_an_integer_too_long_to_read_is_400_naming_it():
+    with pytest.raises(HttpError, match="an integer of 5000 digits") as refused:
+        parse_body('{"prompt": "Hi", "max_tokens": ' + "7" * 5000 + "}")
+    assert refused.value.status == 400
+
+
+def test_deeply_nested_json_is_400():
+    with pytest.raises(HttpError, match="nested") as refused:
+        parse_body("[" * 100_000 + "]" * 100_000)
+    assert refused.value.status == 400
+
+
+def test_a_body_that_is_not_an_object_is_400():
+    with pytest.raises(HttpError, match="must be a JSON object"):
+        parse_body("[1, 2]")
+
+
+# ------------------------------------------------------------------ fields
+
+@pytest.mark.parametrize("field,value,status,param", [
+    ("temperature", -1, 400, "temperature"), ("top_p", 1.5, 400, "top_p"), ("max_tokens", 0, 400, "max_tokens"),
+    ("n", 0, 400, "n"), ("top_k", 0, 400, "top_k"), ("presence_penalty", 5, 400, "presence_penalty"),
+    ("logprobs", 50, 400, "logprobs"), ("temperature", "hot", 400, "temperature"), ("prompt", "", 400, "prompt"),
+    ("model", "gpt-17", 404, "model"), ("stop", [1, 2], 400, "stop"),
+])
+def test_bad_field_gets_status_and_json_error_naming_it(served, field, value, status, param):
+    error = refusal(completion(**{field: value}), served)
+    assert error["status"] == status
+    assert (field if status == 400 else value) in error["message"]
+    assert error["param"] == param
+
+
+@pytest.mark.parametrize("field,literal", [
+    ("temperature", "1e999"), ("top_p", "-1e999"), ("presence_penalty", "NaN"),
+    ("repetition_penalty", "Infinity"), ("min_p", "1" + "0" * 400), ("frequency_penalty", "1" + "0" * 30),
+])
+def test_a_number_out_of_a_float_field_range_is_400_naming_the_field(served, field, literal):
+    body = parse_body('{"prompt": "Hi", "max_tokens": 1, "' + field + '": ' + literal + "}")
+    error = refusal(body, served)
+    assert error["status"] == 400 and error["param"] == field and "integer" not in error["message"], error
+
+
+@pytest.mark.parametrize("field,value", [
+    ("max_tokens", 2**31), ("n", 2**40), ("priority", -2**40), ("seed", 2**64),
+    ("stop_token_ids", [2**40]), ("prompt", [2**70]), ("prompt", ["Hi", [5, 2**40]]),
+])
+def test_integer_too_large_for_its_field_is_400_naming_it(served, field, value):
+    error = refusal(completion(max_tokens=2) | {field: value}, served)
+    assert error["status"] == 400
+    assert error["param"].startswith(field) and "out of range" in error["message"]
+
+
+@pytest.mark.parametrize("text,chat", [
+    ('{"prompt": "Hi \\ud800", "max_tokens": 2}', False),
+    ('{"messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 2}', True),
+])
+def test_lone_surrogate_in_text_is_400(served, text, chat):
+    error = refusal(parse_body(text), served, chat=chat)
+    assert error["status"] == 400 and "surrogate" in error["message"]
+
+
+def test_prompt_over_max_model_len_is_400(served):
+    error = refusal(completion(prompt=[1] * 5000, max_tokens=2), served)
+    assert error["status"] == 400 and "prompt" in error["message"]
+
+
+@pytest.mark.parametrize("chat,prompt,field", [
+    (False, {"prompt": PROMPT}, "max_tokens"),
+    (True, {"messages": MESSAGES}, "max_tokens"),
+    (True, {"messages": MESSAGES}, "max_completion_tokens"),
+])
+def test_max_tokens_past_the_context_is_400_naming_the_limit(served, chat, prompt, field):
+    error = refusal({"model": MODEL, field: 10**9} | prompt, served, chat=chat)
+    assert error["status"] == 400
+    assert error["param"] == field and error["message"].startswith(f"{field}=1000000000 is too large")
+    assert "maximum context length is 2048 tokens" in error["message"]
+    assert " in the completion" in error["message"]
+
+
+@pytest.mark.parametrize("message,param", [
+    ({"role": "user", "content": [{"type": "text", "text": 5}]}, "messages[0].content"),
+    ({"role": "wizard", "content": "hi"}, "messages[0].role"),
+    ({"role": "user"}, "messages[0].content"),
+])
+def test_malformed_chat_message_is_400_naming_it(served, message, param):
+    error = refusal({"model": MODEL, "messages": [message], "max_tokens": 2}, served, chat=True)
+    assert error["status"] == 400 and error["param"] == param
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"tool_choice": "required"}, "tool_choice"),
+])
+def test_unsupported_openai_feature_is_refused_not_ignored(served, extra, param):
+    error = refusal({"model": MODEL, "messages": MESSAGES, "max_tokens": 2} | extra, served, chat=True)
+    assert error["status"] == 400 and error["param"] == param
+
+
+def test_error_object_has_openai_types_and_string_or_null_code(served):
+    error = refusal({"model": "gpt-17", "prompt": PROMPT}, served)
+    assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", "model", "model_not_found")
+    error = refusal(completion(n=0), served)
+    assert error["type"] == "invalid_request_error" and error["code"] is None
+
+
+def test_chat_errors_name_the_fields_the_client_sent(served):
+    body = {"model": MODEL, "messages": MESSAGES}
+    assert refusal(body | {"logprobs": True, "top_logprobs": 21}, served, chat=True)["param"] == "top_logprobs"
+    assert refusal(body | {"max_completion_tokens": 0}, served, chat=True)["param"] == "max_completion_tokens"
+
+
+def test_an_error_about_one_prompt_of_a_batch_names_it(served):
+    error = refusal(completion(prompt=["Hi", "x " * 9000], max_tokens=2), served)
+    assert error["status"] == 400 and error["param"] == "prompt[1]"
+    assert error["message"].startswith("prompt[1]: the prompt has")
+
+
+def test_an_error_without_a_field_names_no_param():
+    error = HttpError.from_api(ApiError(grpc.StatusCode.RESOURCE_EXHAUSTED, "the queue is full", 2.5))
+    assert (error.status, error.param, error.retry_after_s) == (429, None, 2.5)
+
+
+# ------------------------------------------------------------------ names
+
+@pytest.mark.parametrize("path,named", [
+    ("params.temperature", "temperature"), ("text", "prompt"), ("token_ids.ids[3]", "prompt[3]"),
+    ("chat.messages[0].role", "messages[0].role"), ("chat", "messages"), ("token_ids[2]", "tokens[2]"),
+    ("request_id", "request_id"),
+])
+def test_grpc_field_paths_are_renamed_by_their_leading_piece(path, named):
+    assert http_field(path, names_for({}, chat=False)) == named
+
+
+def test_a_piece_renames_only_a_whole_leading_name():
+    assert http_field("textual", {"text": "prompt"}) == "textual"
+
+
+# ------------------------------------------------------------------ a batch
+
+def test_a_batch_of_prompts_becomes_one_request_per_prompt_with_numbered_ids():
+    requests = generate_requests(completion(prompt=["a", [1, 2]]), chat=False, request_id="r")
+    assert [r.request_id for r in requests] == ["r-0", "r-1"]
+    assert (requests[0].text, list(requests[1].token_ids.ids)) == ("a", [1, 2])
+
+
+# ------------------------------------------------------------------ responses
+
+def test_a_stream_chunk_leaves_out_choices_with_nothing_new():
+    response = pb.GenerateResponse(choices=[pb.ChoiceDelta(index=0, text="Paris"), pb.ChoiceDelta(index=1)])
+    offsets = [0, 0]
+    choices = chunk_choices(response, chat=True, want_logprobs=False, offsets=offsets)
+    assert choices == [{"index": 0, "logprobs": None, "finish_reason": None, "delta": {"content": "Paris"}}]
+    assert offsets == [5, 0]
