@@ -94,7 +94,8 @@ def bench_engine(args) -> dict:
                                     max_model_len=4096, max_num_seqs=args.max_num_seqs,
                                     max_num_batched_tokens=args.max_num_batched_tokens,
                                     gpu_memory_utilization=0.85, enable_prefix_caching=False,
-                                    tensor_parallel_size=args.tensor_parallel_size))
+                                    tensor_parallel_size=args.tensor_parallel_size,
+                                    quantization=args.quantization))
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
     out = {"weight_bytes": weight_bytes, "kv_blocks": engine.blocks.num_blocks}
     # Warm up on the W1 shapes themselves (every prefill chunk and decode batch size), so
@@ -200,9 +201,12 @@ def main() -> None:
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="GPUs of one worker (weight_bytes and the W2 roofline are per GPU)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--quantization", default="none", choices=("none", "fp8"),
+                        help="the engine's --quantization (the dummy bf16 weights quantized on load)")
     args = parser.parse_args()
     result = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(),
               "model": args.model, "tensor_parallel_size": args.tensor_parallel_size,
+              "quantization": args.quantization,
               "torch": torch.__version__, "commit": current_commit(),
               "copy_bytes_per_s": copy_bandwidth()}
     log(f"copy bandwidth {result['copy_bytes_per_s'] / 1e12:.2f} TB/s")

@@ -2,6 +2,21 @@
 
 from dataclasses import dataclass, field
 
+# --quantization values: how the decoder's linear layers compute. "none" keeps the weights as the
+# checkpoint has them (a pre-quantized checkpoint stays quantized); "fp8" also quantizes a
+# high-precision one on load. Formats to come (awq, gptq, ...) add their names here and their
+# linear class in worker.models.quantization.
+QUANTIZATION_METHODS = ("none", "fp8")
+
+
+@dataclass(frozen=True)
+class CheckpointQuantization:
+    """How a pre-quantized checkpoint stores its decoder linears (config.json's
+    `quantization_config`, checked by `worker.models.quantization.checkpoint_quantization`)."""
+    method: str                                  # the --quantization value that runs it: fp8
+    quant_method: str                            # config.json's: compressed-tensors | fp8
+    weight_block_size: tuple[int, int] | None = None     # quant_method fp8: block scales
+
 
 @dataclass
 class ModelConfig:
@@ -22,6 +37,7 @@ class ModelConfig:
     attention_bias: bool = False          # Qwen2: bias on q/k/v projections
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    quantization: CheckpointQuantization | None = None   # None: high-precision weights
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -34,6 +50,7 @@ class EngineConfig:
     model: str
     load_format: str = "auto"             # auto | hf | gguf | dummy
     dtype: str = "auto"
+    quantization: str = "none"            # one of QUANTIZATION_METHODS
     device: str = "auto"                  # auto | cpu | cuda
     seed: int = 0                         # for dummy weights
     block_size: int = 16
@@ -59,6 +76,9 @@ class EngineConfig:
     stall_timeout_s: float = 60.0
 
     def validate(self) -> "EngineConfig":
+        if self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization={self.quantization!r} is not supported: use one of "
+                             f"{', '.join(QUANTIZATION_METHODS)}")
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"block_size={self.block_size} must be one of 8, 16, 32, 64, 128")
         if self.max_num_seqs < 1:

@@ -4,7 +4,7 @@ EngineConfig they make. Imports no torch, so a router's `pagedserve serve --help
 
 import argparse
 
-from worker.config import EngineConfig
+from worker.config import QUANTIZATION_METHODS, EngineConfig
 
 # The exit code of a worker that refused to start and said why (a taken port, a bad model or
 # setting), as argparse's is for a bad flag: `serve --role all` then adds nothing to it.
@@ -13,7 +13,8 @@ WORKER_REFUSED = 2
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
-        model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
+        model=args.model, load_format=args.load_format, dtype=args.dtype,
+        quantization=args.quantization, device=args.device,
         block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory_gb=args.kv_cache_memory_gb,
@@ -34,6 +35,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     a("--load-format", default=d.load_format, choices=["auto", "hf", "gguf", "dummy"],
       help="how to read the weights; dummy = random weights of the model's shape")
     a("--dtype", default=d.dtype, help="auto (bfloat16 on GPU, float32 on CPU), float32, float16, bfloat16")
+    a("--quantization", default=d.quantization, choices=QUANTIZATION_METHODS,
+      help="fp8: W8A8 decoder linears (weights quantized per output channel on load, "
+           "activations per token at run time; needs compute capability 8.9+, emulated on the "
+           "CPU); none: the weights as stored (a pre-quantized FP8 checkpoint runs as FP8 either way)")
     a("--device", default=d.device, help="auto, cpu or cuda")
     a("--block-size", type=int, default=d.block_size, help="tokens per KV block")
     a("--max-num-seqs", type=int, default=d.max_num_seqs, help="sequences per step")

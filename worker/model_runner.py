@@ -61,7 +61,8 @@ class ModelRunner:
         self.device = resolve_device(config.device) if shard.size == 1 else device_for(config, shard.rank)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.block_size = config.block_size
-        self.model_config, self.model = loaded or load_model(source, self.device, self.dtype, config.seed, shard)
+        self.model_config, self.model = loaded or load_model(source, self.device, self.dtype, config.seed, shard,
+                                                            config.quantization)
         self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads     # this rank's
         self.num_blocks = self._size_pool()
         # Rank 0 of a tensor-parallel worker sends every device operation to the other ranks.

@@ -4,10 +4,12 @@ The forward takes flat `(input_ids, positions)` of every sequence in the step; a
 reads its batch layout from `worker.context`. Weights arrive with Hugging Face names and are
 packed on load: q/k/v into one projection, gate/up into another. Under tensor parallelism
 (`worker.parallel`) each rank builds the same model with its slice of the heads, of the MLP
-rows and of the vocabulary, and reads only that slice of each checkpoint tensor.
+rows and of the vocabulary, and reads only that slice of each checkpoint tensor. The decoder's
+linear layers come from a factory: `nn.Linear`, or a quantized class of
+`worker.models.quantization`, whose parameters load here like any other.
 """
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 import torch
@@ -21,6 +23,9 @@ from kernels.rotary import apply_rotary, build_cos_sin_cache
 from worker.config import ModelConfig
 from worker.context import get_context
 from worker.parallel import Shard, all_reduce, gather_last_dim, split_heads
+
+# Makes one decoder linear layer: (in_features, out_features, bias) -> module.
+LinearFactory = Callable[[int, int, bool], nn.Module]
 
 
 class RMSNorm(nn.Module):
@@ -55,15 +60,15 @@ class VocabEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, shard: Shard):
+    def __init__(self, cfg: ModelConfig, shard: Shard, linear: LinearFactory):
         super().__init__()
         self.shard = shard
         self.heads = split_heads(cfg.num_heads, cfg.num_kv_heads, shard)
         self.num_heads, self.num_kv_heads, self.head_dim = self.heads.num_heads, self.heads.num_kv_heads, cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.attention_bias)
+        self.o_proj = linear(self.q_size, cfg.hidden_size, False)
         self.scale = self.head_dim ** -0.5
         # Views into the pool, bound by the model runner once the pool is allocated.
         self.k_cache = self.v_cache = torch.empty(0)
@@ -83,24 +88,24 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, shard: Shard):
+    def __init__(self, cfg: ModelConfig, shard: Shard, linear: LinearFactory):
         super().__init__()
         self.shard = shard
         self.start, self.size = shard.split(cfg.intermediate_size)
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.size, bias=False)
-        self.down_proj = nn.Linear(self.size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = linear(cfg.hidden_size, 2 * self.size, False)
+        self.down_proj = linear(self.size, cfg.hidden_size, False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x))), self.shard)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, shard: Shard):
+    def __init__(self, cfg: ModelConfig, shard: Shard, linear: LinearFactory):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, shard)
+        self.self_attn = Attention(cfg, shard, linear)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, shard)
+        self.mlp = MLP(cfg, shard, linear)
 
     def forward(self, positions, hidden, residual, cos_sin):
         hidden, residual = self.input_layernorm(hidden, residual)
@@ -110,11 +115,11 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, shard: Shard = Shard()):
+    def __init__(self, cfg: ModelConfig, shard: Shard = Shard(), linear: LinearFactory = nn.Linear):
         super().__init__()
         self.config, self.shard = cfg, shard
         self.embed_tokens = VocabEmbedding(cfg, shard)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, shard) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, shard, linear) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # The same vocabulary slice as the embedding, so a tied head shares its weight.
         self.lm_head = nn.Linear(cfg.hidden_size, self.embed_tokens.weight.shape[0], bias=False)
@@ -172,6 +177,9 @@ class LlamaForCausalLM(nn.Module):
             if len(parts) >= 2 and parts[-2] in layout:
                 piece, offset, dim, start, length, full = layout[parts[-2]]
                 target = ".".join(parts[:-2] + [piece, parts[-1]])
+                if parts[-1] == "weight_scale" and dim == 1:
+                    # One scale per output channel: a layer split by columns has all of them.
+                    dim, start, length, full = 0, 0, shape[0], shape[0]
                 if len(shape) <= dim or shape[dim] != full:
                     raise ValueError(f"checkpoint tensor {name!r} has shape {shape}: dimension {dim} "
                                      f"should be {full}")
@@ -200,6 +208,7 @@ class CheckpointSlice(Protocol):
     indexing it reads only the bytes asked for."""
 
     def get_shape(self) -> list[int]: ...
+    def get_dtype(self) -> str: ...
     def __getitem__(self, index) -> torch.Tensor: ...
 
 

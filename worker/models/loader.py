@@ -17,6 +17,7 @@ import torch
 from common.progress import progress
 from worker.config import ModelConfig
 from worker.models.llama import CheckpointSlice, LlamaForCausalLM
+from worker.models.quantization import checkpoint_quantization, linear_method
 from worker.parallel import Shard
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
@@ -111,6 +112,12 @@ def config_from_hf(path: str) -> ModelConfig:
     max_pos = raw.get("max_position_embeddings", 4096)
     if raw.get("sliding_window") and raw.get("use_sliding_window", arch == "MistralForCausalLM"):
         max_pos = min(max_pos, raw["sliding_window"])   # no sliding-window attention: stay within it
+    quantization = None
+    if raw.get("quantization_config"):
+        try:
+            quantization = checkpoint_quantization(raw["quantization_config"], raw["num_hidden_layers"])
+        except ValueError as e:
+            raise ModelLoadError(f"{file}: {e}") from e
     return ModelConfig(
         architecture=arch, vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"],
         intermediate_size=raw["intermediate_size"], num_layers=raw["num_hidden_layers"],
@@ -122,6 +129,7 @@ def config_from_hf(path: str) -> ModelConfig:
         attention_bias=arch == "Qwen2ForCausalLM" or raw.get("attention_bias", False),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+        quantization=quantization,
     )
 
 
@@ -250,16 +258,19 @@ def dummy_weights(model: torch.nn.Module, seed: int) -> None:
 
 
 def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype, seed: int = 0,
-               shard: Shard = Shard()) -> tuple[ModelConfig, LlamaForCausalLM]:
+               shard: Shard = Shard(), quantization: str = "none") -> tuple[ModelConfig, LlamaForCausalLM]:
     """Builds the model (`shard`'s slice of it) on `device` without a throwaway
-    initialisation, then fills it."""
+    initialisation, then fills it; `quantization` is EngineConfig's (a pre-quantized checkpoint
+    loads as its config.json says either way)."""
     reader = _open_gguf(source.path) if source.path and source.path.endswith(".gguf") else None
     cfg = load_config(source, reader)
+    method = linear_method(quantization, cfg.quantization, dummy=source.format == "dummy")
+    method.check_device(device)     # before minutes of loading
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            model = LlamaForCausalLM(cfg, shard)
+            model = LlamaForCausalLM(cfg, shard, method.create)
     finally:
         torch.set_default_dtype(previous)
     model = model.to_empty(device=device)
@@ -269,7 +280,8 @@ def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype, se
     elif source.format == "gguf":
         model.load_weights(gguf_weights(source.path, cfg, reader))
     else:
-        model.load_weights(hf_weights(source.path))
+        model.load_weights(method.checkpoint_tensors(hf_weights(source.path)))
+    method.after_loading(model)
     return cfg, model.eval()
 
 
