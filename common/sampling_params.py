@@ -16,6 +16,19 @@ class InvalidRequest(ValueError):
         self.field = field      # the field's name, which the message starts with
 
 
+# What a structured output can be constrained to (pagedserve.v1.StructuredOutput's kinds).
+STRUCTURED_OUTPUT_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What the output must match: `kind` one of STRUCTURED_OUTPUT_KINDS; `spec` the schema
+    (JSON text), the pattern, the choices (a tuple of strings) or the grammar text; None for
+    json_object. `common.structured_output` compiles it."""
+    kind: str
+    spec: str | tuple[str, ...] | None = None
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -32,6 +45,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None       # top-n logprobs per generated token; None: none
+    structured_output: StructuredOutput | None = None
 
     @property
     def greedy(self) -> bool:
@@ -74,6 +88,12 @@ class SamplingParams:
             bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
         if vocab_size is not None and any(not 0 <= t < vocab_size for t in self.stop_token_ids):
             bad("stop_token_ids", f"every id must be in [0, {vocab_size})")
+        if (so := self.structured_output) is not None:
+            if so.kind not in STRUCTURED_OUTPUT_KINDS:
+                raise InvalidRequest(f"structured_output kind {so.kind!r} is unknown: use one of "
+                                     f"{', '.join(STRUCTURED_OUTPUT_KINDS)}", "structured_output")
+            if so.kind != "json_object" and not so.spec:
+                raise InvalidRequest(f"structured_output.{so.kind} is empty", f"structured_output.{so.kind}")
         return self
 
 

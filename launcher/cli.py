@@ -73,7 +73,11 @@ def _serve_parser() -> argparse.ArgumentParser:
                          help="CORS: browser origins allowed to call the HTTP API ('*': any)")
     network.add_argument("--workers", nargs="+", metavar="TARGET",
                          help="--role router: the workers, each host:port or dns:host:port "
-                              "(every address the name resolves to, re-resolved periodically)")
+                              "(every address the name resolves to, re-resolved every "
+                              "--discovery-interval seconds)")
+    network.add_argument("--discovery-interval", type=float, default=5.0,
+                         help="--role router: seconds between resolutions of dns: worker targets "
+                              "(a new worker is used, a vanished one dropped, this soon)")
     network.add_argument("--served-model-name", nargs="+", metavar="NAME",
                          help="names clients may use for the model (default: the model's own); "
                               "the first is reported to clients first")
@@ -113,6 +117,8 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("--role router needs --workers (for example --workers 10.0.0.7:50061)")
     if args.worker_timeout <= 0:
         parser.error(f"--worker-timeout {args.worker_timeout:g} must be above 0 seconds")
+    if args.discovery_interval <= 0:
+        parser.error(f"--discovery-interval {args.discovery_interval:g} must be above 0 seconds")
     setup_logging(args.log_level, args.log_format)
     try:
         # Before the model loads, which can take minutes: a taken port is refused at once.
@@ -178,6 +184,7 @@ def _router_config(args: argparse.Namespace, workers: Sequence[str]):
                                   max_wait_s=args.max_queue_wait),
         run=RunConfig(migrate_on_preemption=args.migrate_on_preemption),
         fleet=FleetConfig(silence_timeout_s=args.worker_timeout),
+        discovery_refresh_s=args.discovery_interval,
         shutdown_grace_s=args.shutdown_grace,
         http_port=None if args.http_port < 0 else args.http_port,
         # With --role all the worker has --metrics-port; the router's are then on the HTTP API.

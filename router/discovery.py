@@ -91,9 +91,15 @@ class Discovery:
         self.addresses: frozenset[str] = frozenset()
 
     async def run(self) -> None:
-        """Refreshes every refresh_s seconds until cancelled."""
+        """Refreshes every refresh_s seconds until cancelled. A refresh that fails unexpectedly
+        is logged and tried again at the next one: were discovery to end, the router would not
+        see a worker come or go again until it restarted."""
         while True:
-            await self.refresh()
+            try:
+                await self.refresh()
+            except Exception:
+                log.exception("refreshing the worker addresses failed; trying again in %g s",
+                              self.refresh_s)
             await asyncio.sleep(self.refresh_s)
 
     async def refresh(self) -> None:

@@ -76,11 +76,18 @@ def http_field(path: str, names: dict[str, str]) -> str:
 
 def names_for(body: dict, *, chat: bool) -> dict[str, str]:
     """How the client of this body names the gRPC fields."""
-    if not chat:
-        return HTTP_NAMES
-    if body.get("max_completion_tokens") is not None:
-        return CHAT_NAMES | {"params.max_tokens": "max_completion_tokens"}
-    return CHAT_NAMES
+    names = CHAT_NAMES if chat else HTTP_NAMES
+    if chat and body.get("max_completion_tokens") is not None:
+        names = names | {"params.max_tokens": "max_completion_tokens"}
+    # The constraint, as the body gave it: a compile error names the field the client wrote.
+    if isinstance(body.get("response_format"), dict):
+        names = names | {"params.structured_output.json_schema": "response_format.json_schema.schema",
+                         "params.structured_output": "response_format"}
+    elif isinstance(constraints := body.get("structured_outputs"), dict):
+        names = names | {f"params.structured_output.{kind}": f"structured_outputs.{name}"
+                         for name, kind in STRUCTURED_KINDS.items() if name in constraints}
+        names["params.structured_output"] = "structured_outputs"
+    return names
 
 
 # ------------------------------------------------------------------ request parsing
@@ -213,7 +220,61 @@ def sampling_parameters(body: dict, *, chat: bool) -> pb.SamplingParameters:
     if body_field(body, "logit_bias", (dict,), {}):
         raise HttpError(400, "logit_bias is not supported", "logit_bias")
     _refuse_unsupported(body, chat=chat)
+    if (constraint := structured_output(body)) is not None:
+        p.structured_output.CopyFrom(constraint)
     return p
+
+
+# vLLM's `structured_outputs` kinds and the StructuredOutput field each becomes.
+STRUCTURED_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
+                    "json_object": "json_object"}
+
+
+def structured_output(body: dict) -> pb.StructuredOutput | None:
+    """The output constraint of a body: OpenAI's `response_format` (`json_object`, or
+    `json_schema` with its `schema`), or vLLM's `structured_outputs` (one of `json`, a schema
+    as an object or JSON text; `regex`; `choice`, a list of strings; `grammar`, Lark or GBNF;
+    `json_object`: true). Whether it compiles is checked with the gRPC API's rules."""
+    response_format = body_field(body, "response_format", (dict,), {})
+    kind = response_format.get("type", "text")
+    constraints = body_field(body, "structured_outputs", (dict,), {})
+    if kind != "text" and constraints:
+        raise HttpError(400, "give response_format or structured_outputs, not both", "structured_outputs")
+    if kind == "json_object":
+        return pb.StructuredOutput(json_object=True)
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise HttpError(400, "response_format.json_schema.schema must be an object: the JSON "
+                            "Schema the output follows", "response_format.json_schema.schema")
+        return pb.StructuredOutput(json_schema=json.dumps(schema))
+    if kind != "text":
+        raise HttpError(400, f"response_format type {json.dumps(kind)[:40]} is not supported: use "
+                        "text, json_object or json_schema", "response_format.type")
+    if not constraints:
+        return None
+    given = [name for name in constraints if constraints[name] not in (None, False)]
+    unknown = [name for name in given if name not in STRUCTURED_KINDS]
+    if unknown or len(given) != 1:
+        raise HttpError(400, f"structured_outputs must set exactly one of {', '.join(STRUCTURED_KINDS)}"
+                        f"; it sets {', '.join(given) or 'none'}", "structured_outputs")
+    name = given[0]
+    value, param = constraints[name], f"structured_outputs.{name}"
+    if name == "json_object":
+        return pb.StructuredOutput(json_object=True)
+    if name == "json" and isinstance(value, dict):
+        value = json.dumps(value)
+    if name == "choice":
+        if not (isinstance(value, list) and value and all(isinstance(v, str) for v in value)):
+            raise HttpError(400, f"{param} must be a non-empty array of strings", param)
+        for i, choice in enumerate(value):
+            _check_text(choice, f"{param}[{i}]")
+        return pb.StructuredOutput(choice=pb.Choices(values=value))
+    if not isinstance(value, str):
+        raise HttpError(400, f"{param} must be a string" + (" or an object" if name == "json" else ""), param)
+    _check_text(value, param)
+    return pb.StructuredOutput(**{STRUCTURED_KINDS[name]: value})
 
 
 def _refuse_unsupported(body: dict, *, chat: bool) -> None:
@@ -230,10 +291,6 @@ def _refuse_unsupported(body: dict, *, chat: bool) -> None:
     for name in ("tool_choice", "function_call"):
         if body.get(name) not in (None, "none"):
             raise HttpError(400, f"{name} is not supported (tool calls are not parsed)", name)
-    response_format = body_field(body, "response_format", (dict,), {})
-    if response_format.get("type", "text") != "text":
-        raise HttpError(400, f"response_format type {json.dumps(response_format.get('type'))[:40]}"
-                        " is not supported: only text", "response_format")
 
 
 MAX_PROMPTS = 256     # prompts in one completions request (each is admitted as one request)

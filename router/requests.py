@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from common import structured_output
 from common.convert import sampling_params_from_proto
 from common.pb import generation_pb2 as pb
 from common.sampling_params import InvalidRequest, SamplingParams, choice_seed
@@ -185,6 +186,14 @@ def _sampling_params(request: pb.GenerateRequest, prompt_tokens: int,
     if params.max_tokens > room:
         raise invalid_argument(_context_exceeded(request, prompt_tokens, params.max_tokens, model),
                                "params.max_tokens")
+    if params.structured_output is not None:
+        if model.tokenizer is None:
+            raise invalid_argument(f"params.structured_output: the model {model.names[0]} is served "
+                                   "without a tokenizer, so there is no text to constrain",
+                                   "params.structured_output")
+        if (why := structured_output.problem(params.structured_output)) is not None:
+            field = f"params.structured_output.{params.structured_output.kind}"
+            raise invalid_argument(f"{field} does not compile: {why}", field)
     return params
 
 

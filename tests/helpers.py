@@ -88,3 +88,18 @@ def save_tiny_llama(path, *, vocab_size: int = 512, hidden_size: int = 256, laye
                 p.normal_(1.0, 0.1)
     model.save_pretrained(path)
     return model.eval()
+
+
+def save_byte_level_tokenizer(path, vocab_size: int = 512) -> None:
+    """A byte-level BPE tokenizer trained on LONG_STORY, saved with its config at `path` beside
+    a model of the same `vocab_size`: a Hugging Face directory with tokenizer files, where the
+    embedded SmolLM2 GGUF cannot go (the GPU machine)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator([LONG_STORY, *PROMPTS], trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|end|>").save_pretrained(path)

@@ -105,3 +105,26 @@ def test_dns_name_without_addresses_means_no_workers(monkeypatch):
 
     monkeypatch.setattr(socket, "getaddrinfo", no_such_name)
     assert asyncio.run(resolve("workers.svc", 7)) == set()
+
+
+def test_discovery_outlives_a_refresh_that_fails_unexpectedly(caplog):
+    """A resolver bug (not an OSError) is logged; the next refresh still follows the name."""
+    async def scenario():
+        calls = 0
+
+        async def resolver(host, port):
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                raise UnicodeError("label too long")
+            return {f"10.0.0.{calls}:{port}"}
+
+        changes = Recorder()
+        task = asyncio.create_task(Discovery(["dns:workers.svc:7"], changes, refresh_s=0.01,
+                                             resolver=resolver).run())
+        while len(changes.changes) < 2:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        assert changes.changes[:2] == [({"10.0.0.2:7"}, set()), ({"10.0.0.3:7"}, {"10.0.0.2:7"})]
+    asyncio.run(asyncio.wait_for(scenario(), 10))
+    assert "refreshing the worker addresses failed" in caplog.text and "label too long" in caplog.text

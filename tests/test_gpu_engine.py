@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import save_tiny_llama
+from helpers import generate, save_byte_level_tokenizer, save_tiny_llama
 
 from common.sampling_params import SamplingParams
 from worker.config import EngineConfig
@@ -177,3 +177,35 @@ def test_serving_steps_compile_no_kernels_after_startup(tmp_path, dtype):
     tokens, compiles = map(int, counts.split())
     assert tokens > 0
     assert compiles == 0, names
+
+
+@pytest.mark.gpu
+def test_structured_outputs_on_the_gpu_follow_their_schema_beside_free_rows(tmp_path):
+    """Asynchronous scheduling with grammars: each constrained step launches its forward, reads
+    the step before it, masks and samples; free rows in the same batches are drawn as if alone."""
+    import json
+
+    import jsonschema
+
+    from common.sampling_params import StructuredOutput
+    save_tiny_llama(tmp_path, vocab_size=512)
+    save_byte_level_tokenizer(tmp_path, vocab_size=512)
+    schema = {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 8}, "n": {"type": "integer", "minimum": 0, "maximum": 99},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}},
+        "required": ["name", "n", "tags"], "additionalProperties": False,
+        "x-guidance": {"whitespace_flexible": False}}    # compact: a random model must end it
+    # ignore_eos: the random model's config names an end token the trained tokenizer does not
+    # have; the grammar ends each output.
+    constrained = SamplingParams(temperature=1.0, max_tokens=120, seed=1, ignore_eos=True,
+                                 structured_output=StructuredOutput("json_schema", json.dumps(schema)))
+    free = SamplingParams(temperature=1.0, max_tokens=40, seed=2, ignore_eos=True)
+    prompt = list(range(10, 30))
+    engine = engine_for(tmp_path, "bfloat16")
+    assert engine.config.async_scheduling
+    alone = generate(engine, [prompt], free)["r0"]
+    mixed = generate(engine, [prompt] * 9, [free] + [constrained] * 8)
+    assert mixed["r0"] == alone
+    tokenizer = engine.grammars._load_tokenizer()
+    for rid in list(mixed)[1:]:
+        jsonschema.validate(json.loads(tokenizer.decode(mixed[rid][0], skip_special_tokens=True)), schema)

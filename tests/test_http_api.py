@@ -13,9 +13,14 @@ import sys
 import time
 from pathlib import Path
 
+import re
+from concurrent.futures import ThreadPoolExecutor
+from typing import Literal
+
 import grpc
 import httpx
 import openai
+import pydantic
 import pytest
 from worker_process import WorkerProcess, free_port
 
@@ -348,3 +353,66 @@ def test_malformed_http_is_a_400_without_an_error_in_the_log(router):
         assert raw.recv(100).split(b" ")[1] == b"400"
     assert httpx.get(f"{router.url}/health").status_code == 200
     assert "malformed HTTP request refused" in router.log() and "ERROR aiohttp" not in router.log()
+
+
+# ------------------------------------------------------------------ structured outputs
+
+class City(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=12)
+    country: str = pydantic.Field(max_length=12)
+
+
+class Person(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=12)
+    age: int
+    role: Literal["admin", "user", "guest"]
+    home: City
+    hobbies: list[str] = pydantic.Field(max_length=2)
+
+
+PEOPLE_PROMPTS = ["A user of a web shop.", "The admin of a forum.", "A guest at a wedding.", "A person from Paris.",
+                  "A retired teacher.", "A young programmer.", "Someone who loves cats.", "A chess champion.",
+                  "A tourist in Rome.", "The mayor of a small town."]
+
+
+def test_chat_completions_parse_returns_a_pydantic_object_for_each_of_ten_prompts(client, model):
+    def parse(prompt: str) -> Person:
+        completion = client.beta.chat.completions.parse(
+            model=model, messages=[{"role": "user", "content": f"Describe this person as JSON: {prompt}"}],
+            response_format=Person, temperature=0, max_tokens=200)
+        return completion.choices[0].message.parsed
+    with ThreadPoolExecutor(len(PEOPLE_PROMPTS)) as pool:
+        people = list(pool.map(parse, PEOPLE_PROMPTS))
+    assert all(isinstance(p, Person) for p in people)
+
+
+def test_a_streamed_json_schema_output_with_two_choices_validates_in_each(client, model):
+    schema = Person.model_json_schema()
+    stream = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Describe a person as JSON."}], n=2, seed=4,
+        temperature=0.8, max_tokens=200, stream=True,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}})
+    texts = ["", ""]
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    for text in texts:
+        Person.model_validate_json(text)
+
+
+def test_structured_outputs_regex_and_choice_constrain_completions(client, model):
+    regex = client.completions.create(model=model, prompt="Call me at", max_tokens=20, temperature=1.0, seed=1,
+                                      extra_body={"structured_outputs": {"regex": r" [0-9]{3}-[0-9]{4}"}})
+    assert re.fullmatch(r" [0-9]{3}-[0-9]{4}", regex.choices[0].text) and regex.choices[0].finish_reason == "stop"
+    choice = client.completions.create(model=model, prompt="The sky is", max_tokens=5, temperature=1.0, seed=2,
+                                       extra_body={"structured_outputs": {"choice": [" blue", " green"]}})
+    assert choice.choices[0].text in (" blue", " green")
+
+
+def test_a_schema_that_does_not_compile_is_a_400_naming_response_format(client, model):
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
+                                       response_format={"type": "json_schema",
+                                                        "json_schema": {"name": "x", "schema": {"type": "objec"}}})
+    assert refused.value.body["param"] == "response_format.json_schema.schema"
+    assert "Invalid type" in refused.value.body["message"]

@@ -1,12 +1,14 @@
 """common.metrics in-process: the router's event methods land in the series they document, a
-taken port leaves a process without /metrics rather than without service, and the Grafana
-dashboard asks only for series that exist."""
+taken port leaves a process without /metrics rather than without service, /metrics keeps the
+vLLM-named series' names whatever format a scraper asks for, and the Grafana dashboard asks
+only for series that exist."""
 
 from __future__ import annotations
 
 import json
 import re
 import socket
+import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -71,6 +73,43 @@ def test_a_taken_metrics_port_is_logged_not_raised(caplog):
         assert serve_metrics(CollectorRegistry(), taken.getsockname()[1], "127.0.0.1") is None
     assert "cannot serve metrics" in caplog.text
     assert serve_metrics(CollectorRegistry(), 0) is None
+
+
+# What Prometheus asks for when it scrapes: 2.x, 3.x, 3.x with legacy names, and a plain client.
+SCRAPE_ACCEPT_HEADERS = [
+    "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
+    "text/plain;version=0.0.4;q=0.5,*/*;q=0.1",
+    "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8,application/openmetrics-text;"
+    "version=0.0.1;q=0.9,text/plain;version=1.0.0;escaping=allow-utf-8;q=0.8,text/plain;version=0.0.4;q=0.7",
+    "application/openmetrics-text;version=1.0.0;escaping=underscores,text/plain;version=0.0.4;q=0.5",
+    "",
+]
+
+
+@pytest.mark.parametrize("accept", SCRAPE_ACCEPT_HEADERS, ids=["prometheus-2", "prometheus-3",
+                                                                "prometheus-3-legacy-names", "no-accept"])
+def test_vllm_names_survive_every_scrape_format(accept):
+    """The vLLM-named series keep their `vllm:` names in the samples (prometheus_client's
+    OpenMetrics encoder would write `vllm_num_requests_running`, which is what Prometheus stored)."""
+    registry = CollectorRegistry()
+    state = SimpleNamespace(total_blocks=8, free_blocks=6, total_swap_blocks=0, free_swap_blocks=0, num_running=2,
+                            num_waiting=1, num_swapped=0, preemptions={}, prefix_queries=0, prefix_hits=0)
+    WorkerMetrics("m", registry, lambda: state, block_size=16)
+    port = serve_metrics(registry, _free_port(), "127.0.0.1")
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers={"Accept": accept})
+    with urllib.request.urlopen(request, timeout=5) as reply:
+        content_type, text = reply.headers["Content-Type"], reply.read().decode()
+    assert content_type.startswith("text/plain; version=0.0.4")
+    values = {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
+    assert values["vllm:num_requests_running"] == 2 and values["vllm:num_requests_waiting"] == 1
+    assert values["vllm:kv_cache_usage_perc"] == values["pagedserve_worker_kv_cache_usage_ratio"] == 0.25
+    assert not [name for name in values if name.startswith("vllm_")]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def test_the_dashboard_queries_only_metrics_that_exist():

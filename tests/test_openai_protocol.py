@@ -4,6 +4,8 @@ the gRPC request); the HTTP server itself is specified in test_http_api.py."""
 
 from __future__ import annotations
 
+import json
+
 import grpc
 import pytest
 
@@ -145,7 +147,6 @@ def test_malformed_chat_message_is_400_naming_it(served, message, param):
 
 @pytest.mark.parametrize("extra,param", [
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"tool_choice": "required"}, "tool_choice"),
 ])
 def test_unsupported_openai_feature_is_refused_not_ignored(served, extra, param):
@@ -208,3 +209,65 @@ def test_a_stream_chunk_leaves_out_choices_with_nothing_new():
     choices = chunk_choices(response, chat=True, want_logprobs=False, offsets=offsets)
     assert choices == [{"index": 0, "logprobs": None, "finish_reason": None, "delta": {"content": "Paris"}}]
     assert offsets == [5, 0]
+
+
+# ------------------------------------------------------------------ structured outputs
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+def constraint_of(body: dict, chat: bool = True) -> pb.StructuredOutput:
+    [request] = generate_requests({"messages": MESSAGES} | body if chat else completion(**body),
+                                  chat=chat, request_id="r")
+    return request.params.structured_output
+
+
+@pytest.mark.parametrize("body,expected", [
+    ({"response_format": {"type": "json_object"}}, pb.StructuredOutput(json_object=True)),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA, "strict": True}}},
+     pb.StructuredOutput(json_schema=json.dumps(SCHEMA))),
+    ({"structured_outputs": {"json": SCHEMA}}, pb.StructuredOutput(json_schema=json.dumps(SCHEMA))),
+    ({"structured_outputs": {"json": json.dumps(SCHEMA)}}, pb.StructuredOutput(json_schema=json.dumps(SCHEMA))),
+    ({"structured_outputs": {"regex": "[a-z]+"}}, pb.StructuredOutput(regex="[a-z]+")),
+    ({"structured_outputs": {"choice": ["yes", "no"]}}, pb.StructuredOutput(choice=pb.Choices(values=["yes", "no"]))),
+    ({"structured_outputs": {"grammar": 'start: "a"'}}, pb.StructuredOutput(grammar='start: "a"')),
+    ({"structured_outputs": {"json_object": True}}, pb.StructuredOutput(json_object=True)),
+], ids=["json_object", "json_schema", "json", "json text", "regex", "choice", "grammar", "vllm json_object"])
+def test_response_format_and_structured_outputs_become_the_grpc_constraint(body, expected):
+    assert constraint_of(body) == expected
+
+
+def test_text_response_format_is_no_constraint():
+    [request] = generate_requests({"messages": MESSAGES, "response_format": {"type": "text"}}, chat=True,
+                                  request_id="r")
+    assert not request.params.HasField("structured_output")
+
+
+def test_completions_take_structured_outputs_too():
+    assert constraint_of({"structured_outputs": {"regex": "[0-9]+"}}, chat=False).regex == "[0-9]+"
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a"}}}, "response_format.json_schema.schema"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ({"structured_outputs": {"yaml": "a"}}, "structured_outputs"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+    ({"structured_outputs": {"regex": 5}}, "structured_outputs.regex"),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs"),
+])
+def test_a_malformed_constraint_is_400_naming_it(served, body, param):
+    error = refusal({"model": MODEL, "messages": MESSAGES} | body, served, chat=True)
+    assert error["status"] == 400 and error["param"] == param, error
+
+
+@pytest.mark.parametrize("body,param,problem", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "objec"}}}},
+     "response_format.json_schema.schema", "Invalid type"),
+    ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs.regex", "unclosed group"),
+    ({"structured_outputs": {"grammar": "start: foo"}}, "structured_outputs.grammar", "unknown name"),
+])
+def test_a_constraint_that_does_not_compile_is_400_naming_the_field_and_the_problem(served, body, param, problem):
+    error = refusal({"model": MODEL, "messages": MESSAGES} | body, served, chat=True)
+    assert error["status"] == 400 and error["param"] == param, error
+    assert error["message"].startswith(f"{param} does not compile: ") and problem in error["message"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import time
@@ -501,6 +502,24 @@ def test_reflection_describes_the_public_api_only(worker):
     public, internal = asyncio.run(scenario())
     assert public.HasField("file_descriptor_response")
     assert internal.error_response.error_code == grpc.StatusCode.NOT_FOUND.value[0]
+
+
+def test_a_structured_output_constrains_the_streamed_text(worker):
+    params = pb.SamplingParameters(max_tokens=24, temperature=1.0, seed=3,
+                                   structured_output=pb.StructuredOutput(regex=r" [0-9]{2}:[0-9]{2} (am|pm)"))
+
+    async def scenario():
+        async with running_router(worker("a")) as router, client(router) as stub:
+            return await read_stream(stub.Generate(pb.GenerateRequest(text="The train leaves at", params=params)))
+    stream = asyncio.run(scenario())
+    assert re.fullmatch(r" [0-9]{2}:[0-9]{2} (am|pm)", stream.text), stream.text
+    assert stream.finish_reason == pb.FINISH_REASON_STOP
+
+
+def test_a_structured_output_that_does_not_compile_is_invalid_naming_it(worker):
+    params = pb.SamplingParameters(structured_output=pb.StructuredOutput(regex="a(b"))
+    expect_rejections([(pb.GenerateRequest(text="Hi", params=params), grpc.StatusCode.INVALID_ARGUMENT,
+                        "params.structured_output.regex does not compile")], worker)
 
 
 def test_unknown_model_is_not_found(worker):

@@ -64,11 +64,13 @@ class WorkerProcess:
     once entered; its log is shown when it fails to start. Several can be `start`ed first and
     waited for afterwards, so that they load their models in parallel."""
 
-    def __init__(self, args: Sequence[str] = (), env: dict[str, str | None] | None = None):
-        """`env`: variables to set for the worker, or (None) to remove from what it inherits."""
-        self.port = free_port()
-        self.address = f"127.0.0.1:{self.port}"
-        self._args = ["serve", "--role", "worker", "--host", "127.0.0.1", "--worker-port", str(self.port),
+    def __init__(self, args: Sequence[str] = (), env: dict[str, str | None] | None = None,
+                 host: str = "127.0.0.1", port: int | None = None):
+        """`env`: variables to set for the worker, or (None) to remove from what it inherits.
+        `host`: a loopback address to listen on; `port`: default, a free one."""
+        self.port = port or free_port()
+        self.address = f"{host}:{self.port}"
+        self._args = ["serve", "--role", "worker", "--host", host, "--worker-port", str(self.port),
                       "--num-blocks", "128", *args]
         self._env = {name: value for name, value in {**os.environ, "PYTHONPATH": python_path(), **(env or {})}.items()
                      if value is not None}

@@ -5,7 +5,10 @@ N still runs on the device, then reads step N's draws. Sequences that step N dra
 scheduled with that token *pending* (read on the device by step N+1), so the GPU never waits
 for the host. The price: stop tokens are seen one step late, so a sequence that stopped
 computes one more token, which is thrown away. A step whose sampling needs the pending
-tokens on the host (repetition penalties count them) reads them first.
+tokens on the host (repetition penalties count them) reads them first. A step with rows
+under a grammar (structured outputs) launches its forward first, then reads the step before
+it and computes the grammar masks on the host while the forward runs: only the sampling
+waits for them, and rows without a grammar are drawn in the same batch.
 
 Not thread-safe: one thread drives it (the worker server queues RPC commands to that thread).
 """
@@ -21,8 +24,9 @@ from worker.config import EngineConfig
 from worker.kv_pool import BlockManager, SwapPool
 from worker import ranks
 from worker.model_runner import ModelRunner
-from worker.models.loader import ModelSource, resolve_source
+from worker.models.loader import ModelSource, load_tokenizer, resolve_source
 from worker.parallel import Shard
+from worker import structured
 from worker.sampler import SampledTokens, SamplingBatch, SamplingRow
 from worker.scheduler import Scheduler, ScheduledSeq, SchedulerOutput
 from worker.sequence import FinishReason, Sequence, SeqStatus
@@ -99,6 +103,7 @@ class LLMEngine:
         self.num_steps = 0
         self.last_plan = SchedulerOutput()   # of the latest step: for metrics and traces
         self.in_flight: InFlightStep | None = None
+        self.grammars = structured.Grammars(lambda: load_tokenizer(self.source), self.vocab_size)
 
     @property
     def vocab_size(self) -> int:
@@ -136,12 +141,17 @@ class LLMEngine:
             raise InvalidRequest(f"prompt has {len(prompt_token_ids)} tokens; the maximum is "
                                  f"{self.max_model_len - 1} (max_model_len {self.max_model_len} "
                                  f"leaves room for at least one generated token)")
+        matcher = None
+        if params.structured_output is not None:
+            matcher = self.grammars.matcher(params.structured_output)
+            structured.consume(matcher, list(output_token_ids))
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         seq = Sequence(request_id=request_id, index=0, prompt_len=len(prompt_token_ids),
                        token_ids=list(prompt_token_ids) + list(output_token_ids), params=params, seed=seed,
                        priority=priority, arrival=time.monotonic() if arrival is None else arrival,
                        pending_fork=params.n > 1,
-                       max_len=min(len(prompt_token_ids) + params.max_tokens, self.max_model_len))
+                       max_len=min(len(prompt_token_ids) + params.max_tokens, self.max_model_len),
+                       matcher=matcher)
         self.requests[request_id] = [seq]
         self.scheduler.add(seq)
 
@@ -205,7 +215,7 @@ class LLMEngine:
             outputs += self._read_in_flight()
             # Reading may have finished sequences of the plan; their blocks are gone.
             plan.scheduled = [s for s in plan.scheduled if s.seq.status == SeqStatus.RUNNING]
-        launched = self._launch(plan) if plan.scheduled else None
+        launched = self._launch(plan, outputs) if plan.scheduled else None
         if self.in_flight is not None:
             outputs += self._read_in_flight()
         self.in_flight = launched
@@ -213,26 +223,39 @@ class LLMEngine:
             outputs += self._read_in_flight()
         return outputs
 
-    def _launch(self, plan: SchedulerOutput) -> InFlightStep | None:
+    def _launch(self, plan: SchedulerOutput, outputs: list[RequestOutput]) -> InFlightStep | None:
         """Starts the plan's forward and sampling on the device; each sequence that draws
-        (and each choice forked from it) gets its token as pending."""
+        (and each choice forked from it) gets its token as pending. With rows under a grammar,
+        the step in flight is read between the two (its outputs go to `outputs`)."""
         self.num_steps += 1
-        rows, logits_rows = [], []
+        rows, logits_rows, constrained = [], [], []
         for i, s in enumerate(plan.scheduled):
             if s.samples:
                 draws = s.seq.params.n if s.seq.pending_fork else 1
                 for index in range(draws):
+                    if s.seq.matcher is not None:
+                        constrained.append((len(rows), s.seq))
                     rows.append(self._sampling_row(s.seq, choice_seed(s.seq.seed, index)))
                     logits_rows.append(i)
         batch = SamplingBatch.build(rows, self.vocab_size, self.runner.device) if rows else None
         previous = self.in_flight.sampled if self.in_flight is not None else None
-        sampled = self.runner.execute(plan.scheduled, logits_rows, batch, previous)
+        logits = self.runner.forward(plan.scheduled, logits_rows, previous)
+        if constrained:
+            if self.in_flight is not None:      # the tokens the grammars follow; the forward runs
+                outputs += self._read_in_flight()
+            batch.allowed = self.grammars.allowed([row for row, _ in constrained],
+                                                  [seq.matcher for _, seq in constrained],
+                                                  self.runner.device)
+        sampled = self.runner.sample(logits, batch) if rows else None
 
         drawn = []
         for s in plan.scheduled:
             seq = s.seq
             seq.num_computed += s.num_tokens
-            self.blocks.register_full_blocks(seq)
+            # One the read above finished has no blocks left; its draw keeps its row (rows and
+            # draws pair by position) and is dropped when read.
+            if seq.status == SeqStatus.RUNNING:
+                self.blocks.register_full_blocks(seq)
             if s.samples:
                 drawn += [seq] + (self._fork(seq) if seq.pending_fork else [])
         for row, seq in enumerate(drawn):
@@ -270,7 +293,8 @@ class LLMEngine:
             child = Sequence(request_id=parent.request_id, index=index, prompt_len=parent.prompt_len,
                              token_ids=list(parent.token_ids), params=parent.params,
                              seed=choice_seed(parent.seed, index), priority=parent.priority,
-                             arrival=parent.arrival, max_len=parent.max_len)
+                             arrival=parent.arrival, max_len=parent.max_len,
+                             matcher=None if parent.matcher is None else parent.matcher.deep_copy())
             if self.blocks.num_free >= 1:
                 copy = self.blocks.fork(parent, child)
                 if copy:
@@ -294,6 +318,8 @@ class LLMEngine:
         if seq.num_output >= p.min_tokens and (
                 token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)):
             reason = FinishReason.STOP
+        elif seq.matcher is not None and self._grammar_ends(seq, token):
+            reason = FinishReason.STOP
         elif len(seq.token_ids) >= seq.max_len:
             reason = FinishReason.LENGTH
         out = RequestOutput(seq.request_id, seq.index, [token], logprobs, reason,
@@ -301,6 +327,17 @@ class LLMEngine:
         if reason is not None:
             self._finish(seq, reason)
         return out
+
+    @staticmethod
+    def _grammar_ends(seq: Sequence, token: int) -> bool:
+        """Advances the sequence's grammar over its new token: True once the output is
+        complete (nothing but the end may follow). A token the grammar refuses cannot be drawn
+        under its mask; should one come (a bug), the choice ends rather than run on unchecked."""
+        if not seq.matcher.consume_token(token):
+            log.error("request %s: token %d does not follow its grammar (%s); the choice ends",
+                      seq.request_id, token, seq.matcher.get_error())
+            return True
+        return seq.matcher.is_stopped()
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         self.scheduler.remove(seq)

@@ -301,11 +301,13 @@ class ModelRunner:
         return None if step.rows is None else self.model.compute_logits(hidden[step.rows])
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSeq], logits_rows: list[int], batch: SamplingBatch | None,
-                previous: SampledTokens | None = None) -> SampledTokens | None:
-        """Launches the forward of the step and samples from the last position of each
-        sequence in `logits_rows` (indices into `scheduled`, repeated for a request forking
-        n > 1). `previous`: the draws of the step in flight, holding the pending tokens."""
+    def forward(self, scheduled: list[ScheduledSeq], logits_rows: list[int],
+                previous: SampledTokens | None = None) -> torch.Tensor | None:
+        """Launches the forward of the step: the logits at the last position of each sequence
+        in `logits_rows` (indices into `scheduled`, repeated for a request forking n > 1), or
+        None without rows. `previous`: the draws of the step in flight, holding the pending
+        tokens. Sampling is apart (`sample`), so the host can prepare what sampling needs
+        (grammar masks) while the forward runs."""
         if self.pending_copies:
             self.copy_blocks(to_device(self.pending_copies, torch.long, self.device))
             self.pending_copies.clear()
@@ -315,8 +317,12 @@ class ModelRunner:
             rows = metadata.query_start_loc[1:].long() - 1
             if logits_rows != list(range(len(scheduled))):    # skip the index copy when all sample once
                 rows = rows[to_device(logits_rows, torch.long, self.device)]
-        logits = self.forward_logits(StepArrays(input_ids, positions, metadata, rows))
-        return sample(logits, batch) if logits_rows else None
+        return self.forward_logits(StepArrays(input_ids, positions, metadata, rows))
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampledTokens:
+        """Draws a token for each row of a step's logits (see `worker.sampler.sample`)."""
+        return sample(logits, batch)
 
     @torch.inference_mode()
     def all_logits(self, scheduled: ScheduledSeq) -> torch.Tensor:

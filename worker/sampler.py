@@ -71,6 +71,10 @@ class SamplingBatch:
     # row sets one, else the whole vocabulary (a full sort; top-p alone needs one).
     candidates: int
     logprobs_top_n: int | None      # widest top-n asked for; None: no row wants logprobs
+    # Rows under a grammar: (their row indices [k], bitmask int32 [k, ceil(V / 32)] of the
+    # tokens each may draw, bit j of word w for token 32w + j), on the device. Set by the
+    # engine after `build`, once the host knows the tokens the grammars follow.
+    allowed: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def build(cls, rows: list[SamplingRow], vocab_size: int, device: torch.device) -> "SamplingBatch":
@@ -187,6 +191,14 @@ def filter_logits(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     return logits
 
 
+def apply_allowed(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """`logits` with every token a row's bitmask does not allow at -inf (rows without a mask
+    untouched); the bits unpack on the device, one int32 word per 32 tokens."""
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((bitmask[:, :, None] >> shifts) & 1).flatten(1)[:, :logits.shape[1]].bool()
+    return logits.index_copy(0, rows, logits[rows].masked_fill(~allowed, float("-inf")))
+
+
 def sample(logits: torch.Tensor, b: SamplingBatch) -> SampledTokens:
     """Draws one token per row of `logits[B, V]` (float32), without waiting for the device."""
     raw = logits
@@ -195,6 +207,8 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> SampledTokens:
     if b.banned is not None:
         rows, ids = (to_device(x, torch.long, logits.device) for x in b.banned)
         logits = logits.index_put((rows, ids), torch.full((), float("-inf"), device=logits.device))
+    if b.allowed is not None:
+        logits = apply_allowed(logits, *b.allowed)
     greedy_ids = logits.argmax(-1)
     if b.all_greedy:
         token_ids = greedy_ids

@@ -52,6 +52,9 @@ class Sequence:
     # moment while the next step is launched before the previous one's draws are read.
     num_pending: int = 0
     pending_row: int = -1               # the latest draw's row among its step's draws
+    # Its structured-output grammar state (llguidance LLMatcher) over the output tokens the
+    # host has read; None when unconstrained (see worker.structured).
+    matcher: object | None = None
 
     @property
     def num_tokens(self) -> int:

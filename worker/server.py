@@ -62,6 +62,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         log.info("reading the tokenizer of %s, for the routers", e.source.name)
         tokenizer = load_tokenizer(e.source)
         if tokenizer is not None:
+            e.grammars.use_tokenizer(tokenizer)     # now, not on the first structured output
             info.tokenizer_json = tokenizer.backend_tokenizer.to_str().encode()
             info.tokenizer_config_json = json.dumps({
                 name: getattr(tokenizer, name) for name in ("bos_token", "eos_token", "unk_token", "pad_token")
