@@ -35,6 +35,8 @@ def sampling_params_from_proto(p) -> SamplingParams:
         logprobs=p.logprobs if p.HasField("logprobs") else None,
         structured_output=structured_output_from_proto(p.structured_output)
         if p.HasField("structured_output") else None,
+        logit_bias={token: _f32(bias) for token, bias in p.logit_bias.items()},
+        allowed_token_ids=list(p.allowed_token_ids),
     )
 
 

@@ -46,6 +46,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None       # top-n logprobs per generated token; None: none
     structured_output: StructuredOutput | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict)   # token id -> added to its logit
+    allowed_token_ids: list[int] = field(default_factory=list)   # empty: every token
 
     @property
     def greedy(self) -> bool:
@@ -88,6 +90,15 @@ class SamplingParams:
             bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
         if vocab_size is not None and any(not 0 <= t < vocab_size for t in self.stop_token_ids):
             bad("stop_token_ids", f"every id must be in [0, {vocab_size})")
+        for token, bias in self.logit_bias.items():
+            if vocab_size is not None and not 0 <= token < vocab_size:
+                raise InvalidRequest(f"logit_bias[{token}] is invalid: token ids must be in "
+                                     f"[0, {vocab_size})", "logit_bias")
+            if not -100.0 <= bias <= 100.0:
+                raise InvalidRequest(f"logit_bias[{token}]={bias!r} is invalid: must be in [-100, 100]",
+                                     "logit_bias")
+        if vocab_size is not None and any(not 0 <= t < vocab_size for t in self.allowed_token_ids):
+            bad("allowed_token_ids", f"every id must be in [0, {vocab_size})")
         if (so := self.structured_output) is not None:
             if so.kind not in STRUCTURED_OUTPUT_KINDS:
                 raise InvalidRequest(f"structured_output kind {so.kind!r} is unknown: use one of "

@@ -1,10 +1,23 @@
-"""FP8 (e4m3fn) W8A8 linear: per-output-channel weight scales, dynamic per-token activation
-scales.
+"""FP8 (e4m3fn) linears: per-output-channel weight scales; W8A8 for large M, W8A16 for small M.
 
-`fp8_linear` quantizes each row of the activations with its own scale (amax / 448) and
-multiplies with cuBLAS' FP8 GEMM (`torch._scaled_mm`, rowwise scaling) on CUDA;
-`fp8_linear_ref` computes the same products in fp32 on any device (the CPU path and the test
-oracle). Neither reads anything back to the host, so both can be captured in a CUDA graph.
+`fp8_linear` picks by the number of rows M of the activations (tokens in the step):
+
+* M <= `W8A16_MAX_M` (decodes): weight-only, W8A16. The activations stay in their own dtype
+  (unquantized), the float8 weight is converted to it tile by tile inside one Triton kernel
+  (`kernels.triton_fp8.fp8_weight_only_triton`), products summed in fp32, the channel scale
+  applied to the sum. Why: at small M the product is bound by the weight's bytes, so FP8
+  tensor cores' doubled rate buys nothing; quantizing the activations costs a kernel launch
+  per linear (128 per token for an 8B model); and torch's rowwise-scaled FP8 GEMM (the
+  per-channel scales need it) streams the weight at 1.6 TB/s on an H200 at batch 1 against
+  about 3 TB/s for this kernel (docs/BENCHMARKS.md). It is also more accurate: only the
+  weight is rounded, not the activations. Reference: `fp8_weight_only_ref`.
+* Larger M (prefill): W8A8. Each row of the activations is quantized with its own scale
+  (amax / 448, one fused Triton kernel) and multiplied with cuBLAS' FP8 GEMM
+  (`torch._scaled_mm`, rowwise scaling), where FP8 tensor cores' doubled rate pays.
+  Reference: `fp8_linear_ref`.
+
+On the CPU `fp8_linear` is `fp8_linear_ref` (W8A8, emulated in fp32) at every M. None of
+these read anything back to the host, so all can be captured in a CUDA graph.
 """
 
 import torch
@@ -16,6 +29,11 @@ FP8_MAX = torch.finfo(FP8_DTYPE).max          # 448
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
 # cuBLAS' FP8 GEMM needs K and N to be multiples of 16; other shapes take the emulation.
 SCALED_MM_ALIGNMENT = 16
+# Up to this many rows `fp8_linear` runs W8A16 on CUDA: measured on an H200 for the
+# Llama-3.1-8B decoder linears (bench/quant_linears.py, all 128 of a token step), W8A16 takes
+# 3.8 ms at 32 rows against W8A8's 4.4, 4.7 ms at 48 against 4.2.
+W8A16_MAX_M = 32
+W8A16_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,11 +87,49 @@ def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
     return out.to(out_dtype).view(*x.shape[:-1], weight.shape[0])
 
 
+def fp8_weight_only_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                        bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
+                        ) -> torch.Tensor:
+    """W8A16: `x [..., K] @ (weight [N, K] * weight_scale [N]).T + bias` with `x` as it is:
+    the weight dequantized to fp32, an fp32 matmul, one rounding to `out_dtype`."""
+    out_dtype = out_dtype or x.dtype
+    x2 = x.reshape(-1, x.shape[-1]).float()
+    out = x2 @ (weight.float() * weight_scale.float().view(-1, 1)).t()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype).view(*x.shape[:-1], weight.shape[0])
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """W8A8 linear: `weight` float8 `[N, K]` row-major (so `weight.t()` is the column-major
-    operand `_scaled_mm` needs), `weight_scale` fp32 `[N]`; output in `out_dtype` (default:
-    `x`'s)."""
+    """FP8-weight linear: `weight` float8 `[N, K]` row-major (so `weight.t()` is the
+    column-major operand `_scaled_mm` needs), `weight_scale` fp32 `[N]`; output in
+    `out_dtype` (default: `x`'s). On CUDA, W8A16 for up to `W8A16_MAX_M` rows (meaning:
+    `fp8_weight_only_ref`), W8A8 above (meaning: `fp8_linear_ref`); see the module
+    docstring. The choice depends on the shape alone (no host sync)."""
+    n, k = weight.shape
+    if not x.is_cuda:
+        return fp8_linear_ref(x, weight, weight_scale, bias, out_dtype)
+    out_dtype = out_dtype or x.dtype
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    if m == 0:    # older torch's rowwise kernel refuses M=0 (a shape: no host sync)
+        return x.new_empty(*x.shape[:-1], n, dtype=out_dtype)
+    if m <= W8A16_MAX_M and x.dtype in W8A16_DTYPES and weight.stride(-1) == 1:
+        from kernels.triton_fp8 import fp8_weight_only_triton   # Triton only where it runs
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        out = fp8_weight_only_triton(x2, weight, weight_scale.reshape(-1),
+                                     None if bias is None else bias.reshape(-1), out_dtype)
+        return out.view(*x.shape[:-1], n)
+    return fp8_linear_w8a8(x, weight, weight_scale, bias, out_dtype)
+
+
+def fp8_linear_w8a8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                    bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
+                    ) -> torch.Tensor:
+    """`fp8_linear`'s large-M path at any M: per-token quantization and `_scaled_mm` on CUDA
+    (the reference where cuBLAS cannot take the shape or the device is not CUDA)."""
     n, k = weight.shape
     if not x.is_cuda or n % SCALED_MM_ALIGNMENT or k % SCALED_MM_ALIGNMENT:
         return fp8_linear_ref(x, weight, weight_scale, bias, out_dtype)

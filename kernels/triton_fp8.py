@@ -1,14 +1,36 @@
-"""Triton per-token FP8 quantization (meaning: `kernels.fp8.per_token_quant_ref`).
+"""Triton kernels of the FP8 linears (`kernels.fp8`).
 
-One program per row: the row's amax, then the row scaled, clamped and cast, in one launch.
-The unfused PyTorch form is seven kernels (upcast, abs, amax, divide, clamp, divide, clamp,
-cast) per linear layer: at batch 1 an 8B model runs 128 of them per token, and in a CUDA
-graph their launches alone cost more than the FP8 GEMM saves.
+* `per_token_quant_triton` (meaning: `kernels.fp8.per_token_quant_ref`): one program per
+  row: the row's amax, then the row scaled, clamped and cast, in one launch. The unfused
+  PyTorch form is seven kernels (upcast, abs, amax, divide, clamp, divide, clamp, cast) per
+  linear layer: at batch 1 an 8B model runs 128 of them per token, and in a CUDA graph their
+  launches alone cost more than the FP8 GEMM saves.
+* `fp8_weight_only_triton` (meaning: `kernels.fp8.fp8_weight_only_ref`): the small-M
+  (decode) linear, W8A16. The float8 weight `[N, K]` (row-major) is streamed once, each tile
+  converted in registers (e4m3 values are exact in bfloat16, float16 and float32) and
+  multiplied with the unquantized activations, products summed in fp32; the
+  per-output-channel scale (and bias) is applied to the sum. One row (batch-1 decode,
+  MODE "fma", `BLOCK_M` 1) runs on the FMA units, 16 weight rows per program, a
+  [BLOCK_N, BLOCK_K] fp32 accumulator summed over K once at the end (the tensor cores'
+  16-row minimum would waste the conversion on padding); 2..32 rows take the tensor cores
+  (MODE "dot", x @ W^T; "dot_t", W @ x^T, for larger tiles). A skinny product is bound by
+  the weight's bytes, so narrow column tiles and, where the columns give too few programs,
+  K split into ranges keep enough loads in flight; the split partial sums are added by the
+  last program of each output tile (`kernels.triton_w4a16.split_k_reduce`: fixed order, no
+  second launch). The constexprs are the mode and tile shapes (`pick_fp8_config`: classes
+  of M 1, 2..16, 17..32, larger), `HAS_BIAS`, `SPLIT` and the dot precision; M and the K
+  range per split are run-time values, so a new batch size compiles nothing new within its
+  class, and nothing is read back to the host (CUDA-graph capturable once each class has
+  been warmed up outside the capture).
 """
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from kernels.triton_w4a16 import num_sms, pick_split, split_k_counters, split_k_reduce
 
 
 @triton.jit
@@ -43,3 +65,153 @@ def per_token_quant_triton(x: torch.Tensor, dtype: torch.dtype, fp8_max: float, 
         _per_token_quant_kernel[(m,)](out, scale, x, x.stride(0), out.stride(0), k, FP8_MAX=fp8_max,
                                       MIN_SCALE=min_scale, BLOCK=min(1024, triton.next_power_of_2(k)))
     return out, scale
+
+
+# ---------------------------------------------------------------- W8A16: small-M linear
+
+@dataclass(frozen=True)
+class Fp8Config:
+    """Tile shapes and launch parameters of one `fp8_weight_only_triton` call."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 4
+    mode: str = "dot"        # "dot", "dot_t" or "fma" (block_m 1): see _fp8_weight_only_kernel
+
+
+@triton.jit(do_not_specialize=["M", "tiles_per_split"])
+def _fp8_weight_only_kernel(out, partial, counters, x, w, w_scale, bias, M, N, K,
+                            tiles_per_split, stride_xm, stride_om, stride_wn,
+                            HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, MODE: tl.constexpr,
+                            BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            DOT_PRECISION: tl.constexpr):
+    """MODE "dot": acc [M, N] += x [M, K] @ W^T [K, N] on the tensor cores; "dot_t": the same
+    product transposed, W [N, K] @ x^T [K, M] (the wide weight tile the left operand);
+    "fma": BLOCK_M == 1, no tensor cores: each weight multiplied into the one row of x on the
+    FMA units, a [BLOCK_N, BLOCK_K] fp32 accumulator summed over K once at the end."""
+    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok, n_ok = offs_m < M, offs_n < N
+    x_rows = x + offs_m.to(tl.int64) * stride_xm
+    w_rows = w + offs_n.to(tl.int64) * stride_wn    # row n of W, contiguous along K
+    first = pid_k * tiles_per_split
+    last = tl.minimum(first + tiles_per_split, tl.cdiv(K, BLOCK_K))
+
+    if MODE == "fma":
+        acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for tile in range(first, last):
+            offs_k = tile * BLOCK_K + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < K
+            a = tl.load(x_rows + offs_k, mask=k_ok & m_ok, other=0.0)
+            b = tl.load(w_rows[:, None] + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                        other=0.0)
+            acc2 += b.to(tl.float32) * a.to(tl.float32)[None, :]
+        acc = tl.sum(acc2, axis=1)[None, :]
+    elif MODE == "dot_t":
+        acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for tile in range(first, last):
+            offs_k = tile * BLOCK_K + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < K
+            a_t = tl.load(x_rows[None, :] + offs_k[:, None], mask=k_ok[:, None] & m_ok[None, :],
+                          other=0.0)
+            b = tl.load(w_rows[:, None] + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                        other=0.0)
+            acc_t = tl.dot(b.to(a_t.dtype), a_t, acc_t, input_precision=DOT_PRECISION)
+        acc = tl.trans(acc_t)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for tile in range(first, last):
+            offs_k = tile * BLOCK_K + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < K
+            a = tl.load(x_rows[:, None] + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                        other=0.0)
+            b = tl.load(w_rows[None, :] + offs_k[:, None], mask=k_ok[:, None] & n_ok[None, :],
+                        other=0.0)
+            acc = tl.dot(a, b.to(a.dtype), acc, input_precision=DOT_PRECISION)
+
+    mask = m_ok[:, None] & n_ok[None, :]
+    out_ptrs = out + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    s = tl.load(w_scale + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        add = tl.load(bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    else:
+        add = tl.zeros_like(s)
+    if SPLIT:
+        total, is_last = split_k_reduce(acc, partial, counters,
+                                        pid_n * tl.num_programs(0) + pid_m, pid_k,
+                                        tl.num_programs(2), offs_m, offs_n, mask, M, N)
+        if is_last:
+            y = total * s[None, :] + add[None, :]
+            tl.store(out_ptrs, y.to(out.dtype.element_ty), mask=mask)
+    else:
+        y = acc * s[None, :] + add[None, :]
+        tl.store(out_ptrs, y.to(out.dtype.element_ty), mask=mask)
+
+
+def pick_fp8_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> Fp8Config:
+    """Tiles for an `[m, K] @ [N, K].T` weight-only product; a function of python ints only.
+
+    Measured on one H200 for the Llama-3.1-8B decoder shapes, bf16 (`python
+    bench/quant_linears.py --sweep`): one row takes the FMA units, 16 weight rows per program
+    (K-tiles of 512 and 8 warps, K split to 2 programs per SM; K-tiles of 256, 4 warps, where
+    the columns alone give over 4 programs per SM); up to 16 rows a 16 x 32 tile on the tensor
+    cores, K split to 4 programs per SM; up to 32 rows 32 x 64, 3 per SM; more rows 64 x 64
+    (fp8_linear uses this kernel up to `kernels.fp8.W8A16_MAX_M` rows)."""
+    wide = dtype == torch.float32
+    if m == 1:
+        if triton.cdiv(n, 16) >= 4 * num_sms(device):
+            mode, block_m, block_n, block_k, warps, stages, per_sm = "fma", 1, 16, 256, 4, 3, 1
+        else:
+            mode, block_m, block_n, block_k, warps, stages, per_sm = "fma", 1, 16, 512, 8, 3, 2
+    elif m <= 16:
+        mode, block_m, block_n, block_k, warps, stages, per_sm = "dot", 16, 32, 256, 4, 3, 4
+    elif m <= 32:
+        mode, block_m, block_n, block_k, warps, stages, per_sm = "dot", 32, 64, 256, 4, 3, 3
+    else:
+        mode, block_m, block_n, block_k, warps, stages, per_sm = "dot_t", 64, 64, 128, 4, 3, 2
+    if wide:
+        block_k = min(block_k, 128)
+    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
+    programs = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    split_k = pick_split(triton.cdiv(k, block_k), programs, device, per_sm)
+    return Fp8Config(block_m, block_n, block_k, split_k, warps, stages, mode)
+
+
+def fp8_weight_only_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                           bias: torch.Tensor | None, out_dtype: torch.dtype,
+                           config: Fp8Config | None = None) -> torch.Tensor:
+    """`x [M, K] @ (weight [N, K] * weight_scale [N, 1]).T + bias` in `out_dtype`, `x`
+    unquantized (bfloat16, float16 or float32; columns contiguous), `weight` float8
+    row-major. `config` overrides `pick_fp8_config`."""
+    m, k = x.shape
+    n = weight.shape[0]
+    assert weight.shape == (n, k) and weight.stride(1) == 1 and x.stride(1) == 1
+    assert weight_scale.numel() == n and weight_scale.is_contiguous()
+    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    if m == 0:
+        return out
+    cfg = config or pick_fp8_config(m, n, k, x.dtype, x.device)
+    assert (cfg.mode == "fma") == (cfg.block_m == 1), "the fma mode is the one-row tile"
+    tiles = triton.cdiv(k, cfg.block_k)
+    tiles_per_split = triton.cdiv(tiles, cfg.split_k)
+    split_k = triton.cdiv(tiles, tiles_per_split)  # no split left without a tile
+    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), split_k)
+    partial = counters = out  # placeholders: unused without a split
+    if split_k > 1:
+        partial = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
+        counters = split_k_counters(x.device, grid[0] * grid[1])
+    if bias is not None:
+        assert bias.numel() == n and bias.is_contiguous()
+    _fp8_weight_only_kernel[grid](
+        out, partial, counters, x, weight, weight_scale, bias if bias is not None else weight_scale,
+        m, n, k, tiles_per_split, x.stride(0), out.stride(0), weight.stride(0),
+        HAS_BIAS=bias is not None, SPLIT=split_k > 1, MODE=cfg.mode, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, DOT_PRECISION="tf32x3" if x.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out

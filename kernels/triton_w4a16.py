@@ -1,24 +1,45 @@
 """Triton W4A16 GEMM (meaning: `w4a16.w4a16_matmul_ref`; layout: `w4a16.W4Weight`).
 
 One kernel, `y[m, n] = sum_k x[m, perm[k]] * W'[k, n]` with `W'` the packed rows, tiled
-over (M, N) and optionally split along K:
+over (M, N) and optionally split along K. Each program walks its K-tiles; per tile it loads
+the `BLOCK_K // 8` int32 words of each column once (one load of `[BLOCK_K // 8, BLOCK_N]`,
+coalesced along N) and expands the nibbles in registers, with no integer-to-float
+conversion (a quarter-rate instruction; at small M the unpacking, not the tensor cores or
+the memory, is what limits): a nibble q OR-ed into a float's mantissa is an exact float of
+q. A K-tile never straddles a group (`BLOCK_K` divides the group size, or the weight is one
+group), so the tile's zero points and scales are one row each. Two modes (`MODE`):
 
-* Each program walks its K-tiles: it loads an activation tile (gathered through `perm`
-  under act-order), the int32 words holding the weight tile (each word read by the 8 rows
-  it packs; the repeats hit the cache), shifts out each row's nibble, subtracts the zero
-  point and takes the tile's dot product with these exact small integers. A K-tile never
-  straddles a group (`BLOCK_K` divides the group size, or the weight is one group), so the
-  tile's scales are one row, applied to the dot product's result.
-* Small M (decodes): a 16-row tile, and K split into `split_k` ranges so that a matrix
-  with few column tiles still fills the SMs; the programs write float32 partial sums that
-  are added up afterwards (in a fixed order: the result does not depend on timing).
-* Large M (prefill): bigger tiles, no split.
+* "dot" (M > 1): word row r becomes the packed rows 8r..8r+7 (`0x4B000000 | q` is the float
+  2**23 + q; minus 2**23 + z gives the exact integer q - z, exact in every activation dtype),
+  the activation tile (gathered through `perm` under act-order) takes its dot product with
+  these integers on the tensor cores, and the tile's scales multiply the result.
+* "fma" (M == 1, batch-1 decode: `BLOCK_M` 1): no tensor cores, whose 16-row minimum would
+  waste the unpacking on padding. Nibble j is moved under the exponent of 1.0 (the float
+  1 + q / 16: one shift and one and-or), multiplied into x on the FMA units (three
+  instructions per weight), and the zero point applied per tile through the sum of x:
+  `sum (q - z) x = 16 sum (1 + q / 16) x - (16 + z) sum x`. The next tile's words, zero
+  points and scales are loaded before this tile's arithmetic (register prefetch).
+
+K is split into `split_k` ranges when the columns alone give too few programs to keep
+enough loads and arithmetic in flight (decodes: about 6 programs per SM). Split programs
+write float32 partial sums; the last program of each output tile to finish (counted with an
+atomic) adds them up in split order 0, 1, ... and writes the result, so the result does not
+depend on timing and no second kernel is launched. The per-tile counters live in one buffer
+per device, reset to zero by that last program (see `split_k_counters` for what may share
+it).
 
 K need not be a multiple of `BLOCK_K` (the last tile is masked) nor N of `BLOCK_N`. M is a
-run-time argument Triton does not specialise on, so a new batch size compiles nothing.
-The tile shapes are untuned first choices (see `pick_config`).
+run-time argument Triton does not specialise on (nor `tiles_per_split`), so a new batch size
+compiles nothing new within its class of M: the constexprs are the mode and tile shapes
+(`pick_config` chooses them from four classes of M: 1, 2..16, 17..64, larger), `HAS_PERM`,
+`SPLIT` and the dot precision. Nothing reads back to the host: the kernel is CUDA-graph
+capturable (warm each class up once outside the capture, as Triton compiles on first use).
+
+Tuned on one H200 (132 SMs) for the Llama-3.1-8B decoder shapes, group 128, bf16 (`python
+bench/quant_linears.py --sweep`; docs/BENCHMARKS.md).
 """
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -27,11 +48,13 @@ import triton.language as tl
 
 from .w4a16 import W4Weight
 
-# Splitting K pays until about two programs per SM are in flight; below a few K-tiles per
-# split, the partial sums cost more than the parallelism brings.
-_PROGRAMS_PER_SM = 2
-_MIN_TILES_PER_SPLIT = 4
 _DECODE_MAX_M = 16
+_MID_MAX_M = 64
+# Splitting K: keep at least this many K-tiles per split (below that the partial sums cost
+# more than the parallelism brings), and at most this many splits.
+_MIN_TILES_PER_SPLIT = 4
+_MAX_SPLIT = 16
+_COUNTERS = 1 << 16          # output tiles per launch a counter buffer serves
 
 
 @dataclass(frozen=True)
@@ -44,63 +67,193 @@ class W4A16Config:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    mode: str = "dot"        # "dot", or "fma" (block_m 1): see _w4a16_kernel
+
+
+@triton.jit
+def split_k_reduce(acc, partial, counters, tile_id, pid_k, splits, offs_m, offs_n, mask, M, N):
+    """Stores this program's `acc` [BLOCK_M, BLOCK_N] as partial sum `pid_k` of `splits`;
+    returns (the sum over all splits, True) in the last program of the output tile to get
+    here and (zeros, False) in the others. The sum is taken in split order 0, 1, ..., so it
+    does not depend on which program came last. Shared with `kernels.triton_fp8`.
+
+    `partial` is `[splits, M, N]` float32; `counters[tile_id]` must be 0 on entry, and is 0
+    again once every program of the tile is done."""
+    plane = M.to(tl.int64) * N
+    rows = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+    tl.store(partial + pid_k * plane + rows, acc, mask=mask)
+    # Every thread's partial is written before the counter moves (the barrier orders the
+    # other threads' stores before the releasing atomic; release is cumulative).
+    tl.debug_barrier()
+    arrived = tl.atomic_add(counters + tile_id, 1, sem="acq_rel", scope="gpu")
+    last = arrived == splits - 1
+    total = tl.zeros_like(acc)
+    if last:
+        ptrs = partial + rows
+        for _ in range(0, splits):
+            # .cg: from L2, where the other programs' stores are, never a stale L1 line.
+            total += tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+            ptrs += plane
+        tl.atomic_xchg(counters + tile_id, 0)
+    return total, last
+
+
+@triton.jit
+def _expand(words, shifts, z):
+    """int32 words [.., W, ..] with `shifts` broadcast along a new axis of 8 to the exact
+    floats q - z: nibble q OR-ed into the mantissa of 2**23 (`0x4B000000 | q` is the float
+    2**23 + q), minus 2**23 + z. The arithmetic shift copies the sign into the top bits,
+    which the mask drops."""
+    bits = ((words >> shifts) & 0xF) | 0x4B000000
+    return bits.to(tl.float32, bitcast=True) - (z + 8388608.0)
+
+
+@triton.jit
+def _w4_tile(qweight, zeros, scales, tile, offs_w, offs_n, n_ok, w_limit, max_group, group_size,
+             stride_qk, stride_sg, stride_zg, WORDS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """K-tile `tile`'s words [WORDS, BLOCK_N] (word rows from `w_limit` on read as 0) and
+    its group's zero points and scales as float32 [BLOCK_N] (the group index clamped, so the
+    tile after a split's last one can be asked for: its words are all masked)."""
+    word_rows = tile * WORDS + offs_w
+    words = tl.load(qweight + word_rows[:, None] * stride_qk + offs_n[None, :],
+                    mask=(word_rows < w_limit)[:, None] & n_ok[None, :], other=0)
+    group = tl.minimum((tile * BLOCK_K) // group_size, max_group)
+    z = tl.load(zeros + group * stride_zg + offs_n, mask=n_ok, other=0).to(tl.float32)
+    s = tl.load(scales + group * stride_sg + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    return words, z, s
 
 
 @triton.jit(do_not_specialize=["M", "tiles_per_split"])
-def _w4a16_kernel(out, partial, x, qweight, scales, zeros, perm, M, N, K, group_size,
+def _w4a16_kernel(out, partial, counters, x, qweight, scales, zeros, perm, M, N, K, group_size,
                   tiles_per_split, stride_xm, stride_xk, stride_om, stride_qk, stride_sg,
-                  stride_zg, HAS_PERM: tl.constexpr, SPLIT: tl.constexpr,
+                  stride_zg, HAS_PERM: tl.constexpr, SPLIT: tl.constexpr, MODE: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   DOT_PRECISION: tl.constexpr):
+    """MODE "dot": acc [M, N] += x [M, K] @ (q - z) [K, N] on the tensor cores. "fma":
+    BLOCK_M == 1, no tensor cores: each weight multiplied into the one row of x on the FMA
+    units, three instructions per weight (batch-1 decode: 1.4-2x the dot's speed there)."""
+    WORDS: tl.constexpr = BLOCK_K // 8
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_w = tl.arange(0, WORDS)
     m_ok, n_ok = offs_m < M, offs_n < N
     # Row offsets in int64: M * stride_xm can pass 2**31 for long prefills of wide layers.
-    x_rows = x + offs_m.to(tl.int64)[:, None] * stride_xm
-
+    x_rows = x + offs_m.to(tl.int64) * stride_xm
+    shifts = tl.arange(0, 8) * 4
     first = pid_k * tiles_per_split
     last = tl.minimum(first + tiles_per_split, tl.cdiv(K, BLOCK_K))
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for tile in range(first, last):
-        offs_k = tile * BLOCK_K + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < K
-        if HAS_PERM:
-            src_k = tl.load(perm + offs_k, mask=k_ok, other=0)
-        else:
-            src_k = offs_k
-        a = tl.load(x_rows + src_k[None, :] * stride_xk, mask=m_ok[:, None] & k_ok[None, :],
-                    other=0.0)
-        words = tl.load(qweight + (offs_k // 8)[:, None] * stride_qk + offs_n[None, :],
-                        mask=k_ok[:, None] & n_ok[None, :], other=0)
-        q = (words >> ((offs_k % 8) * 4)[:, None]) & 0xF
-        group = (tile * BLOCK_K) // group_size
-        z = tl.load(zeros + group * stride_zg + offs_n, mask=n_ok, other=0).to(tl.int32)
-        s = tl.load(scales + group * stride_sg + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-        # q - z lies in -16..15: exact in every activation dtype. Rows past K multiply
-        # activations loaded as 0.
-        b = (q - z[None, :]).to(a.dtype)
-        acc += tl.dot(a, b, input_precision=DOT_PRECISION) * s[None, :]
+
+    w_limit = tl.minimum(K // 8, last * WORDS)
+    max_group = (K - 1) // group_size
+    if MODE == "fma":
+        acc2 = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
+        # Register prefetch: the next K-tile's words, zero points and scales are loaded
+        # before this tile's arithmetic, so their latency overlaps it (these loads feed ALU
+        # work, not a dot, so Triton's pipeliner does not stage them). Measured 5-15 % faster.
+        words, z, s = _w4_tile(qweight, zeros, scales, first, offs_w, offs_n, n_ok, w_limit,
+                               max_group, group_size, stride_qk, stride_sg, stride_zg,
+                               WORDS, BLOCK_K)
+        for tile in range(first, last):
+            word_rows = tile * WORDS + offs_w
+            # K is a multiple of 8: a word row is in range exactly when its 8 rows are.
+            w_ok = word_rows < K // 8
+            nxt = _w4_tile(qweight, zeros, scales, tile + 1, offs_w, offs_n, n_ok, w_limit,
+                           max_group, group_size, stride_qk, stride_sg, stride_zg,
+                           WORDS, BLOCK_K)
+            part = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
+            x_sum = tl.zeros((WORDS,), dtype=tl.float32)
+            for j in tl.static_range(8):
+                k_j = word_rows * 8 + j
+                if HAS_PERM:
+                    k_j = tl.load(perm + k_j, mask=w_ok, other=0)
+                a = tl.load(x_rows + k_j * stride_xk, mask=w_ok & m_ok, other=0.0).to(tl.float32)
+                # Nibble j moved to mantissa bits 19..22 under the exponent of 1.0: the
+                # float 1 + q / 16, exact; one shift and one and-or per weight.
+                if 4 * j <= 19:
+                    moved = words << (19 - 4 * j)
+                else:
+                    moved = words >> (4 * j - 19)
+                unit = ((moved & 0x00780000) | 0x3F800000).to(tl.float32, bitcast=True)
+                part += unit * a[:, None]
+                x_sum += a
+            # sum_j (q_j - z) a_j = 16 sum_j (1 + q_j / 16) a_j - (16 + z) sum_j a_j: the
+            # terms are of the size of the result, so little cancels (error ~1e-7 relative).
+            acc2 += (16.0 * part - (z + 16.0)[None, :] * x_sum[:, None]) * s[None, :]
+            words, z, s = nxt
+        acc = tl.sum(acc2, axis=0)[None, :]
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for tile in range(first, last):
+            offs_k = tile * BLOCK_K + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < K
+            if HAS_PERM:
+                src_k = tl.load(perm + offs_k, mask=k_ok, other=0)
+            else:
+                src_k = offs_k
+            a = tl.load(x_rows[:, None] + src_k[None, :] * stride_xk,
+                        mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            words, z, s = _w4_tile(qweight, zeros, scales, tile, offs_w, offs_n, n_ok, w_limit,
+                                   max_group, group_size, stride_qk, stride_sg, stride_zg,
+                                   WORDS, BLOCK_K)
+            # [WORDS, 8, BLOCK_N] -> [BLOCK_K, BLOCK_N]: row 8r + j is nibble j of word r.
+            # q - z in -16..15 is exact in every activation dtype; rows past K multiply
+            # activations loaded as 0.
+            b = _expand(words[:, None, :], shifts[None, :, None], z[None, None, :])
+            b = tl.reshape(b.to(a.dtype), (BLOCK_K, BLOCK_N))
+            acc += tl.dot(a, b, input_precision=DOT_PRECISION) * s[None, :]
 
     mask = m_ok[:, None] & n_ok[None, :]
+    out_ptrs = out + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     if SPLIT:
-        rows = pid_k * M + offs_m.to(tl.int64)
-        tl.store(partial + rows[:, None] * N + offs_n[None, :], acc, mask=mask)
+        total, is_last = split_k_reduce(acc, partial, counters,
+                                        pid_n * tl.num_programs(0) + pid_m, pid_k,
+                                        tl.num_programs(2), offs_m, offs_n, mask, M, N)
+        if is_last:
+            tl.store(out_ptrs, total.to(out.dtype.element_ty), mask=mask)
     else:
-        tl.store(out + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :],
-                 acc.to(out.dtype.element_ty), mask=mask)
+        tl.store(out_ptrs, acc.to(out.dtype.element_ty), mask=mask)
 
 
 _num_sms_cache: dict[int, int] = {}
+_counter_cache: dict[torch.device, torch.Tensor] = {}
 
 
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 8  # the CPU interpreter: few enough that the tests' small matrices split K
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _num_sms_cache:
         _num_sms_cache[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return _num_sms_cache[index]
+
+
+def split_k_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """The zeroed int32 counters `split_k_reduce` needs for `tiles` output tiles.
+
+    One buffer per device, zeroed once when first asked for outside a CUDA-graph capture and
+    left at zero by every launch that uses it: launches that share it must not run at the
+    same time on different streams (the engine runs its steps on one stream at a time, eagerly
+    or replayed). Asked for first inside a capture, a buffer of this launch's own is made
+    instead and its zeroing is captured with it, so the graph stays right whatever runs
+    before its replays (a buffer cached there would be zeroed only when that graph replays)."""
+    if tiles > _COUNTERS:
+        raise ValueError(f"{tiles} output tiles in one split-K launch; at most {_COUNTERS}")
+    buf = _counter_cache.get(device)
+    if buf is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return torch.zeros(tiles, dtype=torch.int32, device=device)
+        buf = _counter_cache[device] = torch.zeros(_COUNTERS, dtype=torch.int32, device=device)
+    return buf
+
+
+def pick_split(tiles_k: int, programs: int, device: torch.device, per_sm: float,
+               min_tiles: int = _MIN_TILES_PER_SPLIT, max_split: int = _MAX_SPLIT) -> int:
+    """How many K ranges: enough for `per_sm` programs per SM (several co-reside on an SM, each
+    one's loads adding to the bytes in flight), each range at least `min_tiles` K-tiles long,
+    and at most `max_split` (the partial sums cost more beyond)."""
+    wanted = math.ceil(per_sm * num_sms(device) / programs)
+    return max(1, min(wanted, tiles_k // min_tiles, max_split))
 
 
 def _block_k(w: W4Weight, cap: int) -> int:
@@ -114,19 +267,29 @@ def _block_k(w: W4Weight, cap: int) -> int:
 
 
 def pick_config(m: int, w: W4Weight, dtype: torch.dtype, device: torch.device) -> W4A16Config:
-    """Tiles for an `[m, K] @ [K, N]` product; a function of python ints only."""
+    """Tiles for an `[m, K] @ [K, N]` product; a function of python ints only.
+
+    Measured on one H200 for the Llama-3.1-8B decoder shapes, group 128, bf16
+    (`python bench/quant_linears.py --sweep`): one row takes the FMA units ("fma", 128
+    columns per program, K split to about 6 programs per SM); up to 16 rows a 16 x 128 tile
+    on the tensor cores, split likewise; up to 64 rows 64 x 128, split to 1.5 programs per
+    SM; more rows 64 x 128 (128 x 128 past 256 rows), split to fill the SMs once."""
     wide = dtype == torch.float32  # twice the bytes per tile element: smaller tiles
-    if m <= _DECODE_MAX_M:
-        block_n, block_k = 64, _block_k(w, 128)
-        tiles = triton.cdiv(w.in_features, block_k)
-        programs = triton.cdiv(w.out_features, block_n)
-        wanted = triton.cdiv(_PROGRAMS_PER_SM * _num_sms(device), programs)
-        split_k = max(1, min(wanted, tiles // _MIN_TILES_PER_SPLIT))
-        return W4A16Config(16, block_n, block_k, split_k)
-    block_m = 64 if m <= 64 or wide else 128
-    block_n = 64 if wide else 128
-    return W4A16Config(block_m, block_n, _block_k(w, 64), num_warps=8 if block_m == 128 else 4,
-                       num_stages=2 if wide else 3)
+    n, k = w.out_features, w.in_features
+    block_k = _block_k(w, 128)
+    if m == 1:
+        mode, block_m, block_n, warps, stages, per_sm = "fma", 1, 128, 4, 3, 6
+    elif m <= _DECODE_MAX_M:
+        mode, block_m, block_n, warps, stages, per_sm = "dot", 16, 64 if wide else 128, 4, 3, 6
+    elif m <= _MID_MAX_M:
+        mode, block_m, block_n, warps, stages, per_sm = "dot", 64, 64 if wide else 128, 4, 3, 1.5
+    else:
+        block_m = 64 if wide or m <= 256 else 128
+        mode, block_n, warps, stages, per_sm = "dot", 64 if wide else 128, 8 if block_m == 128 else 4, 2 if wide else 3, 1
+        block_k = _block_k(w, 64 if wide else 128)
+    programs = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    split_k = pick_split(triton.cdiv(k, block_k), programs, device, per_sm)
+    return W4A16Config(block_m, block_n, block_k, split_k, warps, stages, mode)
 
 
 def w4a16_matmul_triton(x: torch.Tensor, w: W4Weight,
@@ -142,23 +305,25 @@ def w4a16_matmul_triton(x: torch.Tensor, w: W4Weight,
         return out.view(*x.shape[:-1], n)
     cfg = config or pick_config(m, w, x.dtype, x.device)
     assert w.num_groups == 1 or w.group_size % cfg.block_k == 0, "a K-tile straddles groups"
+    assert cfg.block_k % 8 == 0 and cfg.block_k >= 16
+    assert (cfg.mode == "fma") == (cfg.block_m == 1), "the fma mode is the one-row tile"
     tiles = triton.cdiv(k, cfg.block_k)
     tiles_per_split = triton.cdiv(tiles, cfg.split_k)
     split_k = triton.cdiv(tiles, tiles_per_split)  # no split left without a tile
-    partial = out  # a placeholder: unused without a split
+    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), split_k)
+    partial = counters = out  # placeholders: unused without a split
     if split_k > 1:
         partial = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
+        counters = split_k_counters(x.device, grid[0] * grid[1])
     # fp32 as three TF32 products (about fp32 accuracy on tensor cores); the 16-bit types
     # are exact inputs to the tensor cores anyway.
     dot_precision = "tf32x3" if x.dtype == torch.float32 else "tf32"
-    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), split_k)
     _w4a16_kernel[grid](
-        out, partial, x2, w.qweight, w.scales, w.zeros, w.perm if w.perm is not None else x2,
+        out, partial, counters, x2, w.qweight, w.scales, w.zeros,
+        w.perm if w.perm is not None else x2,
         m, n, k, w.group_size, tiles_per_split, x2.stride(0), x2.stride(1), out.stride(0),
         w.qweight.stride(0), w.scales.stride(0), w.zeros.stride(0),
-        HAS_PERM=w.perm is not None, SPLIT=split_k > 1, BLOCK_M=cfg.block_m,
+        HAS_PERM=w.perm is not None, SPLIT=split_k > 1, MODE=cfg.mode, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_PRECISION=dot_precision,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if split_k > 1:
-        out.copy_(partial.sum(0))
     return out.view(*x.shape[:-1], n)

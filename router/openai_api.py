@@ -40,8 +40,10 @@ from router.openai_protocol import (
     parse_body,
     response_meta,
     role_chunk,
+    tool_calls_of,
     usage_json,
 )
+from router.tool_calls import StreamedCalls, ToolCalling
 
 log = logging.getLogger("pagedserve.http")
 
@@ -215,6 +217,7 @@ class OpenAIApi:
             self.service.reject("invalid", request[REQUEST_ID], error.message)
             raise
         names = names_for(body, chat=chat)
+        calling = tool_calls_of(body) if chat else None
         parent = tracing.extract(request.headers) if tracing.enabled() else None
         params = grpc_requests[0].params
         n = params.n if params.HasField("n") else 1
@@ -238,8 +241,8 @@ class OpenAIApi:
             if stream:
                 return await self._sse(request, meta, _prepend(first, responses), chat=chat, n=n,
                                        want_logprobs=want_logprobs, include_usage=include_usage,
-                                       names=names)
-            acc = Accumulator(n, chat, want_logprobs)
+                                       names=names, calling=calling)
+            acc = Accumulator(n, chat, want_logprobs, calling)
             try:
                 async for response in _prepend(first, responses):
                     acc.add(response)
@@ -249,7 +252,7 @@ class OpenAIApi:
 
     async def _sse(self, request: web.Request, meta: dict, responses: AsyncIterator[pb.GenerateResponse], *,
                    chat: bool, n: int, want_logprobs: bool, include_usage: bool,
-                   names: dict[str, str]) -> web.StreamResponse:
+                   names: dict[str, str], calling: ToolCalling | None) -> web.StreamResponse:
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                           "X-Request-Id": request[REQUEST_ID]})
         await out.prepare(request)
@@ -262,10 +265,11 @@ class OpenAIApi:
             await send(role_chunk(n))
         usage = None
         offsets = [0] * n
+        calls = StreamedCalls(calling, n) if calling is not None else None
         try:
             async for response in responses:
                 if choices := chunk_choices(response, chat=chat, want_logprobs=want_logprobs,
-                                            offsets=offsets):
+                                            offsets=offsets, calls=calls):
                     await send({"choices": choices})
                 if response.HasField("usage"):
                     usage = response.usage

@@ -17,6 +17,7 @@ import grpc
 
 from common.pb import generation_pb2 as pb
 from router.errors import ApiError
+from router.tool_calls import StreamedCalls, ToolCallError, ToolCalling, tool_calling
 
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.UNAUTHENTICATED: 401,
@@ -217,12 +218,33 @@ def sampling_parameters(body: dict, *, chat: bool) -> pb.SamplingParameters:
         raise HttpError(400, "best_of is not supported (it must equal n)", "best_of")
     if not chat and body_field(body, "echo", (bool,), False):
         raise HttpError(400, "echo=true is not supported", "echo")
-    if body_field(body, "logit_bias", (dict,), {}):
-        raise HttpError(400, "logit_bias is not supported", "logit_bias")
+    for key, bias in body_field(body, "logit_bias", (dict,), {}).items():
+        # JSON object keys are strings: OpenAI's are token ids written as integers.
+        if not (key.lstrip("-").isdigit() and isinstance(bias, (int, float)) and not isinstance(bias, bool)):
+            raise HttpError(400, "logit_bias must map token ids (as strings of digits) to numbers "
+                            f"in [-100, 100]; got {json.dumps({key: bias})[:80]}", "logit_bias")
+        token = int(key)
+        _check_int(token, f"logit_bias[{key}]")
+        p.logit_bias[token] = _as_float(bias, "logit_bias") if isinstance(bias, int) else bias
+    p.allowed_token_ids.extend(int_list(body_field(body, "allowed_token_ids", (list,), []), "allowed_token_ids"))
     _refuse_unsupported(body, chat=chat)
-    if (constraint := structured_output(body)) is not None:
+    constraint = structured_output(body)
+    if chat and (calling := tool_calls_of(body)) is not None:
+        if constraint is not None:
+            raise HttpError(400, "a tool call and response_format / structured_outputs cannot both "
+                            "constrain the output", "tool_choice")
+        constraint = calling.constraint()
+    if constraint is not None:
         p.structured_output.CopyFrom(constraint)
     return p
+
+
+def tool_calls_of(body: dict) -> ToolCalling | None:
+    """The tool calling of a chat body (router.tool_calls), as a 400 when malformed."""
+    try:
+        return tool_calling(body)
+    except ToolCallError as error:
+        raise HttpError(400, str(error), error.param) from None
 
 
 # vLLM's `structured_outputs` kinds and the StructuredOutput field each becomes.
@@ -284,13 +306,6 @@ def _refuse_unsupported(body: dict, *, chat: bool) -> None:
         if body_field(body, "suffix", (str,)):
             raise HttpError(400, "suffix is not supported", "suffix")
         return
-    for name in ("tools", "functions"):
-        if body_field(body, name, (list,)):
-            raise HttpError(400, f"{name} are not supported: this server does not parse tool "
-                            "calls; send the conversation as plain messages", name)
-    for name in ("tool_choice", "function_call"):
-        if body.get(name) not in (None, "none"):
-            raise HttpError(400, f"{name} is not supported (tool calls are not parsed)", name)
 
 
 MAX_PROMPTS = 256     # prompts in one completions request (each is admitted as one request)
@@ -402,8 +417,8 @@ def _chat_logprobs(entries) -> dict:
 class Accumulator:
     """Collects the stream of one request into whole choices (non-streaming responses)."""
 
-    def __init__(self, n: int, chat: bool, want_logprobs: bool):
-        self.chat, self.want_logprobs = chat, want_logprobs
+    def __init__(self, n: int, chat: bool, want_logprobs: bool, calling: ToolCalling | None = None):
+        self.chat, self.want_logprobs, self.calling = chat, want_logprobs, calling
         self.text = [""] * n
         self.logprobs: list[list] = [[] for _ in range(n)]
         self.finish: list[str | None] = [None] * n
@@ -425,7 +440,14 @@ class Accumulator:
             if self.want_logprobs:
                 logprobs = _chat_logprobs(self.logprobs[i]) if self.chat else _completion_logprobs(self.logprobs[i], 0)
             choice = {"index": i, "logprobs": logprobs, "finish_reason": self.finish[i]}
-            choice |= {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
+            call = self.calling.call(text) if self.calling is not None else None
+            if call is not None:
+                choice |= {"message": {"role": "assistant", "content": None, "tool_calls": [call]},
+                           "finish_reason": "tool_calls" if self.finish[i] == "stop" else self.finish[i]}
+            elif self.chat:
+                choice |= {"message": {"role": "assistant", "content": text}}
+            else:
+                choice |= {"text": text}
             out.append(choice)
         return out
 
@@ -460,16 +482,26 @@ def role_chunk(n: int) -> dict:
 
 
 def chunk_choices(response: pb.GenerateResponse, *, chat: bool, want_logprobs: bool,
-                  offsets: list[int]) -> list[dict]:
+                  offsets: list[int], calls: StreamedCalls | None = None) -> list[dict]:
     """A stream chunk's choices from one response: those with text, an end or logprobs.
-    `offsets` (text streamed so far, per choice) advances: completions' logprobs count from it."""
+    `offsets` (text streamed so far, per choice) advances: completions' logprobs count from it.
+    `calls`: the text is tool calls (router.tool_calls), sent as tool-call deltas."""
     choices = []
     for c in response.choices:
         logprobs = None
         if want_logprobs and c.logprobs:
             logprobs = _chat_logprobs(c.logprobs) if chat else _completion_logprobs(c.logprobs, offsets[c.index])
         offsets[c.index] += len(c.text)
-        choice = {"index": c.index, "logprobs": logprobs, "finish_reason": FINISH.get(c.finish_reason)}
+        finish = FINISH.get(c.finish_reason)
+        choice = {"index": c.index, "logprobs": logprobs, "finish_reason": finish}
+        if calls is not None:
+            delta = calls.delta(c.index, c.text, finished=bool(c.finish_reason))
+            if finish == "stop" and calls.call_made(c.index):
+                choice["finish_reason"] = "tool_calls"
+            choice["delta"] = delta or {}
+            if delta or c.finish_reason or logprobs:
+                choices.append(choice)
+            continue
         choice |= {"delta": {"content": c.text}} if chat else {"text": c.text}
         if c.text or c.finish_reason or logprobs:
             choices.append(choice)

@@ -7,6 +7,7 @@ each test states one behaviour of the HTTP API a client relies on.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -416,3 +417,63 @@ def test_a_schema_that_does_not_compile_is_a_400_naming_response_format(client, 
                                                         "json_schema": {"name": "x", "schema": {"type": "objec"}}})
     assert refused.value.body["param"] == "response_format.json_schema.schema"
     assert "Invalid type" in refused.value.body["message"]
+
+
+def test_logit_bias_through_the_openai_client_bans_and_forces_tokens(client, model, router):
+    greedy = client.completions.create(model=model, prompt=PROMPT, max_tokens=1, temperature=0, logprobs=0)
+    first = httpx.post(f"{router.url}/tokenize", json={"prompt": greedy.choices[0].text}).json()["tokens"][0]
+    banned = client.completions.create(model=model, prompt=PROMPT, max_tokens=1, temperature=0,
+                                       logit_bias={str(first): -100})
+    assert banned.choices[0].text != greedy.choices[0].text
+    forced = client.completions.create(model=model, prompt=PROMPT, max_tokens=4, temperature=1.0, seed=1,
+                                       logit_bias={"1000": 100})
+    ids = httpx.post(f"{router.url}/tokenize", json={"prompt": forced.choices[0].text}).json()["tokens"]
+    assert ids == [1000] * 4
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
+                                            "unit": {"enum": ["celsius", "fahrenheit"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {
+             "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+             "additionalProperties": False}}}]
+ASK = [{"role": "user", "content": "What is the weather in Oslo?"}]
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
+                         ids=["required", "named"])
+def test_tool_calls_come_back_with_arguments_that_follow_the_schema(client, model, tool_choice):
+    import jsonschema
+    reply = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice=tool_choice,
+                                           temperature=0, max_tokens=120)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    schema = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}[call.function.name]
+    jsonschema.validate(json.loads(call.function.arguments), schema)
+    if isinstance(tool_choice, dict):
+        assert call.function.name == "get_weather"
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
+                         ids=["required", "named"])
+def test_streamed_tool_call_deltas_add_up_to_the_unstreamed_call(client, model, tool_choice):
+    kwargs = dict(model=model, messages=ASK, tools=TOOLS, tool_choice=tool_choice, temperature=0, max_tokens=120)
+    whole = client.chat.completions.create(**kwargs).choices[0].message.tool_calls[0]
+    name = arguments = ""
+    finish = None
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            for delta in choice.delta.tool_calls or ():
+                name += delta.function.name or ""
+                arguments += delta.function.arguments or ""
+            finish = choice.finish_reason or finish
+    assert (name, arguments, finish) == (whole.function.name, whole.function.arguments, "tool_calls")
+
+
+def test_tool_choice_auto_is_a_400_saying_what_to_send(client, model):
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, max_tokens=5)
+    assert refused.value.body["param"] == "tool_choice" and "required" in refused.value.body["message"]

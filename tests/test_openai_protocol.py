@@ -146,7 +146,8 @@ def test_malformed_chat_message_is_400_naming_it(served, message, param):
 
 
 @pytest.mark.parametrize("extra,param", [
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"functions": [{"name": "f"}]}, "functions"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),    # "auto"
     ({"tool_choice": "required"}, "tool_choice"),
 ])
 def test_unsupported_openai_feature_is_refused_not_ignored(served, extra, param):
@@ -271,3 +272,21 @@ def test_a_constraint_that_does_not_compile_is_400_naming_the_field_and_the_prob
     error = refusal({"model": MODEL, "messages": MESSAGES} | body, served, chat=True)
     assert error["status"] == 400 and error["param"] == param, error
     assert error["message"].startswith(f"{param} does not compile: ") and problem in error["message"]
+
+
+# ------------------------------------------------------------------ logit bias and allowed ids
+
+def test_logit_bias_and_allowed_token_ids_become_the_grpc_fields():
+    [request] = generate_requests(completion(logit_bias={"42": -100, "7": 2.5}, allowed_token_ids=[7, 42]),
+                                  chat=False, request_id="r")
+    assert dict(request.params.logit_bias) == {42: -100.0, 7: 2.5}
+    assert list(request.params.allowed_token_ids) == [7, 42]
+
+
+@pytest.mark.parametrize("bias,param", [
+    ({"x": 1}, "logit_bias"), ({"5": "high"}, "logit_bias"), ({"5": 101}, "logit_bias"),
+    ({"99999999": 1}, "logit_bias"), ({"5": True}, "logit_bias"),
+], ids=["not an id", "not a number", "over 100", "outside the vocabulary", "a boolean"])
+def test_a_bad_logit_bias_is_400_naming_it(served, bias, param):
+    error = refusal(completion(logit_bias=bias), served)
+    assert error["status"] == 400 and error["param"] == param, error

@@ -134,3 +134,31 @@ def test_filters_keep_what_their_definitions_keep(params):
     for row, p in enumerate(params):
         if not p.greedy:
             assert set(kept[row].nonzero()[:, 0].tolist()) == kept_by_definition(values[row].tolist(), p)
+
+
+# ------------------------------------------------------------------ logit bias, allowed ids, grammar masks
+
+def test_logit_bias_of_minus_100_bans_a_token_and_plus_100_forces_one():
+    greedy = SamplingParams(temperature=0)
+    banned = SamplingParams(temperature=0, logit_bias={1: -100.0})
+    forced = SamplingParams(temperature=1.0, logit_bias={4: 100.0})
+    assert draw(logits(ROW, ROW, ROW), batch(greedy, banned, forced)).token_ids == [1, 3, 4]
+
+
+def test_logit_bias_leaves_the_reported_logprobs_the_models_own():
+    biased = draw(logits(ROW), batch(SamplingParams(temperature=0, logprobs=1, logit_bias={1: -100.0})))
+    plain = draw(logits(ROW), batch(SamplingParams(temperature=0, logprobs=1)))
+    assert biased.logprobs[0][1] == plain.logprobs[0][1]     # the top token is still 1, as the model says
+
+
+def test_allowed_token_ids_limit_their_row_only():
+    only = SamplingParams(temperature=1.0, allowed_token_ids=[4, 7])
+    free = SamplingParams(temperature=0)
+    draws = [draw(logits(ROW, ROW), batch(only, free, seeds=[seed, 0])).token_ids for seed in range(20)]
+    assert {d[0] for d in draws} <= {4, 7} and {d[1] for d in draws} == {1}
+
+
+def test_a_grammar_bitmask_keeps_only_its_tokens_in_its_rows():
+    b = batch(SamplingParams(temperature=0), SamplingParams(temperature=0))
+    b.allowed = (torch.tensor([1]), torch.tensor([[1 << 5 | 1 << 7]], dtype=torch.int32))   # tokens 5 and 7
+    assert draw(logits(ROW, ROW), b).token_ids == [1, 5]

@@ -366,13 +366,44 @@ def test_interp_act_order_gathers_activations(m, group):
 
 
 @interpreter_only
+@pytest.mark.parametrize("mode", ["dot", "fma"])
 @pytest.mark.parametrize("split_k", [2, 3, 7])  # 7 tiles of 32: 4 + 3, 3 + 3 + 1, 1 each
-def test_interp_split_k_sums_partials(split_k):
+def test_interp_split_k_sums_partials(split_k, mode):
+    """Both modes (fma: one row), act-order, K split unevenly."""
     from kernels.triton_w4a16 import W4A16Config, w4a16_matmul_triton
 
-    x, w = interp_case(3, 32, torch.float16, act_order=True, seed=5)
-    config = W4A16Config(block_m=16, block_n=32, block_k=32, split_k=split_k)
+    x, w = interp_case(3 if mode == "dot" else 1, 32, torch.float16, act_order=True, seed=5)
+    config = W4A16Config(block_m=16 if mode == "dot" else 1, block_n=32, block_k=32,
+                         split_k=split_k, mode=mode)
     torch.testing.assert_close(w4a16_matmul_triton(x, w, config), w4a16_matmul_ref(x, w),
+                               **INTERP_TOL[torch.float16])
+
+
+@interpreter_only
+def test_interp_split_k_leaves_the_counters_at_zero_for_the_next_call():
+    """The last program of each output tile adds the partials and resets its counter: a
+    second call on the same counters gives the same result, bit for bit."""
+    from kernels.triton_w4a16 import W4A16Config, split_k_counters, w4a16_matmul_triton
+
+    x, w = interp_case(5, 32, torch.float32, seed=11)
+    config = W4A16Config(block_m=16, block_n=32, block_k=32, split_k=3)
+    first = w4a16_matmul_triton(x, w, config)
+    assert not split_k_counters(x.device, 1).any()
+    assert torch.equal(w4a16_matmul_triton(x, w, config), first)
+    torch.testing.assert_close(first, w4a16_matmul_ref(x, w), **INTERP_TOL[torch.float32])
+
+
+@interpreter_only
+@pytest.mark.parametrize("m", [17, 40])
+def test_interp_mid_batch_tiles_with_split_k(m):
+    """The 17..64-row class: 64-row tiles, K split (8 SMs assumed on CPU)."""
+    from kernels.triton_w4a16 import pick_config, w4a16_matmul_triton
+
+    layer = random_layer(1024, INTERP_N, 128, seed=m)
+    w = W4Weight.from_values(layer["q"], layer["scales"], layer["zeros"], 128)
+    x = torch.randn(m, 1024, generator=torch.Generator().manual_seed(m)).half()
+    assert pick_config(m, w, x.dtype, x.device).split_k > 1
+    torch.testing.assert_close(w4a16_matmul_triton(x, w), w4a16_matmul_ref(x, w),
                                **INTERP_TOL[torch.float16])
 
 
@@ -427,3 +458,38 @@ def test_gpu_w4a16_matmul(dtype):
             where = f"{k=} {n=} {group_size=} {act_order=} {m=}"
             torch.testing.assert_close(w4a16_matmul(x, w), w4a16_matmul_ref(x, w),
                                        **GPU_TOL[dtype], msg=lambda s, where=where: f"{where}: {s}")
+
+
+@pytest.mark.gpu
+def test_gpu_w4a16_decode_replays_in_a_cuda_graph(monkeypatch):
+    """Split-K decodes captured with no counters made yet, then with the shared ones; each
+    replay on new inputs equal to the eager result (the partials are added in fixed order)."""
+    from kernels import triton_w4a16
+
+    shapes = [(4096, 6144), (4096, 4096), (14336, 4096)]
+    weights = []
+    for k, n in shapes:
+        layer = random_layer(k, n, 128, seed=k + n)
+        layer["scales"] = layer["scales"].to(torch.bfloat16)
+        weights.append(W4Weight.from_values(layer["q"], layer["scales"], layer["zeros"],
+                                            128).to("cuda"))
+    for m in (1, 16):
+        xs = [torch.zeros(m, k, dtype=torch.bfloat16, device="cuda") for k, _ in shapes]
+
+        def step():
+            return [w4a16_matmul(x, w) for x, w in zip(xs, weights)]
+
+        step()                                                  # compiles
+        monkeypatch.setattr(triton_w4a16, "_counter_cache", {})
+        for _ in range(2):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                outs = step()
+            for seed in (1, 2):
+                for x in xs:
+                    x.copy_(torch.randn(x.shape, generator=torch.Generator().manual_seed(seed)))
+                graph.replay()
+                for got, want, x, w in zip(outs, step(), xs, weights):
+                    assert torch.equal(got, want)
+                    torch.testing.assert_close(got, w4a16_matmul_ref(x, w), **GPU_TOL[torch.bfloat16])
+            step()

@@ -63,6 +63,9 @@ class SamplingBatch:
     output_ids: torch.Tensor | None  # [B, L] padded with -1, only when penalties are used
     prompt_ids: torch.Tensor | None  # [B, L'] padded with -1, only for repetition penalty
     banned: tuple[list[int], list[int]] | None  # (rows, token ids) masked for min_tokens
+    # (rows, token ids, biases) of logit_bias, and (rows, token ids) of allowed_token_ids.
+    bias: tuple[list[int], list[int], list[float]] | None
+    only: tuple[list[int], list[int]] | None
     all_greedy: bool
     any_top_k: bool
     any_top_p: bool
@@ -88,6 +91,8 @@ class SamplingBatch:
             width = max(1, max(len(x) for x in lists))
             return to_device([x + [-1] * (width - len(x)) for x in lists], torch.long, device)
 
+        bias = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias.items()]
+        only = [(i, t) for i, p in enumerate(params) for t in p.allowed_token_ids]
         banned_rows = [i for i, r in enumerate(rows) for _ in r.banned]
         banned_ids = [t for r in rows for t in r.banned]
         all_greedy = all(p.greedy for p in params)
@@ -110,6 +115,8 @@ class SamplingBatch:
             output_ids=needs(penalties, lambda: padded([r.token_ids[r.prompt_len:] for r in rows])),
             prompt_ids=needs(repetition, lambda: padded([r.token_ids[:r.prompt_len] for r in rows])),
             banned=(banned_rows, banned_ids) if banned_ids else None,
+            bias=tuple(map(list, zip(*bias))) if bias else None,
+            only=tuple(map(list, zip(*only))) if only else None,
             all_greedy=all_greedy,
             any_top_k=any(0 < p.top_k < vocab_size for p in sampling),
             any_top_p=any(p.top_p < 1.0 for p in sampling),
@@ -202,6 +209,16 @@ def apply_allowed(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tenso
 def sample(logits: torch.Tensor, b: SamplingBatch) -> SampledTokens:
     """Draws one token per row of `logits[B, V]` (float32), without waiting for the device."""
     raw = logits
+    if b.bias is not None:
+        rows, ids = (to_device(x, torch.long, logits.device) for x in b.bias[:2])
+        logits = logits.index_put((rows, ids), to_device(b.bias[2], torch.float32, logits.device),
+                                  accumulate=True)
+    if b.only is not None:
+        # Rows that list allowed ids keep only those; other rows are untouched.
+        rows, ids = (to_device(x, torch.long, logits.device) for x in b.only)
+        keep = torch.zeros_like(logits, dtype=torch.bool).index_put((rows, ids), torch.tensor(True, device=logits.device))
+        listed = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device).index_fill(0, rows, True)
+        logits = logits.masked_fill(listed[:, None] & ~keep, float("-inf"))
     if b.output_ids is not None:
         logits = apply_penalties(logits, b)
     if b.banned is not None:
