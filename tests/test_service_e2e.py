@@ -66,6 +66,7 @@ WORKER_FLAGS = {
     "b": ["--num-blocks", "256"],
     "killed": ["--num-blocks", "256"],
     "drained": ["--num-blocks", "256"],
+    "stopped": ["--num-blocks", "256"],
     # 12 blocks of 16 tokens: six requests of 60 tokens cannot all fit.
     "tiny-recompute": ["--num-blocks", "12", "--preemption-mode", "recompute"],
     "tiny-swap": ["--num-blocks", "12", "--preemption-mode", "swap", "--num-swap-blocks", "64"],
@@ -312,6 +313,26 @@ def test_drained_worker_hands_its_requests_to_the_other(worker, reference):
             assert [w.worker_id for w in router.fleet.accepting()] == ["a"]
             await eventually(lambda: blocks_all_free(router, "drained"), 10,
                              "the drained worker to hold nothing")
+    asyncio.run(scenario())
+
+
+def test_a_worker_stopped_by_sigterm_drains_its_requests_to_the_other(worker, reference):
+    """SIGTERM (what Kubernetes sends) drains: the requests come back handed back by a draining
+    worker, not lost with it, and finish on the other worker token for token."""
+    prompts = PROMPTS[8:16]
+    expected = reference(prompts, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    stopped = worker("stopped")
+
+    async def scenario():
+        async with running_router(worker("a"), stopped) as router, client(router) as stub:
+            requests = [greedy_request(p, 40, ignore_eos=True) for p in prompts]
+            streams = await stream_all_then(stub, requests, 2,
+                                            lambda: stopped.process.send_signal(signal.SIGTERM))
+            assert [s.token_ids for s in streams] == [expected[p] for p in prompts]
+            # Each moved request came back as a PREEMPTED hand-back (counted with the recompute
+            # preemptions) before the worker left, rather than being found lost with it.
+            assert router.counters.redispatches > 0
+            assert router.counters.preemptions_recompute == router.counters.redispatches
     asyncio.run(scenario())
 
 

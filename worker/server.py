@@ -12,6 +12,7 @@ import json
 import logging
 import signal
 import socket
+import threading
 import time
 from collections.abc import Callable
 
@@ -187,7 +188,12 @@ async def serve_worker(config: EngineConfig, host: str, port: int, worker_id: st
     fault = service.loop.fault
     if fault is None:
         log.info("shutting down: draining %d requests", len(service.loop.owner))
-        service.loop.call(service.loop.drain)
+        # Waited for: until the engine thread has run the drain, the outboxes do not hold the
+        # hand-backs yet, and the sessions would close empty (routers then see the worker lost
+        # rather than drained: nothing is lost, but the drain path goes unused).
+        drained = threading.Event()
+        service.loop.call(lambda: (service.loop.drain(), drained.set()))
+        await asyncio.to_thread(drained.wait, 5)
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline and any(not s.outbox.empty() for s in service.sessions):
         await asyncio.sleep(0.05)
