@@ -2,20 +2,26 @@
 
 from dataclasses import dataclass, field
 
-# --quantization values: how the decoder's linear layers compute. "none" keeps the weights as the
-# checkpoint has them (a pre-quantized checkpoint stays quantized); "fp8" also quantizes a
-# high-precision one on load. Formats to come (awq, gptq, ...) add their names here and their
-# linear class in worker.models.quantization.
-QUANTIZATION_METHODS = ("none", "fp8")
+# --quantization values: how the decoder's linear layers compute (vLLM's names). "none" keeps the
+# weights as the checkpoint has them (a pre-quantized checkpoint stays quantized); "fp8" also
+# quantizes a high-precision one on load. "gptq", "awq" and "compressed-tensors" name a
+# pre-quantized checkpoint's format: they run a checkpoint of that quant_method as stored (as
+# "none" does) and refuse any other, since nothing here computes 4-bit weights from real ones.
+QUANTIZATION_METHODS = ("none", "fp8", "gptq", "awq", "compressed-tensors")
 
 
 @dataclass(frozen=True)
 class CheckpointQuantization:
     """How a pre-quantized checkpoint stores its decoder linears (config.json's
     `quantization_config`, checked by `worker.models.quantization.checkpoint_quantization`)."""
-    method: str                                  # the --quantization value that runs it: fp8
-    quant_method: str                            # config.json's: compressed-tensors | fp8
+    method: str                                  # what the linears compute: fp8 (W8A8) | w4a16 | w8a16
+    quant_method: str                            # config.json's: compressed-tensors | fp8 | gptq | awq; or gguf
     weight_block_size: tuple[int, int] | None = None     # quant_method fp8: block scales
+    # Integer weights (method w4a16, w8a16) only:
+    group_size: int | None = None                # input features per scale; -1: one group per row
+    act_order: bool = False                      # groups formed in activation order (g_idx stored)
+    symmetric: bool = True                       # False: a zero point per group besides the scale
+    checkpoint_format: str | None = None         # gptq: gptq (v1, zeros - 1) | gptq_v2; gguf: Q4_0 | Q8_0
 
 
 @dataclass

@@ -38,7 +38,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     a("--quantization", default=d.quantization, choices=QUANTIZATION_METHODS,
       help="fp8: W8A8 decoder linears (weights quantized per output channel on load, "
            "activations per token at run time; needs compute capability 8.9+, emulated on the "
-           "CPU); none: the weights as stored (a pre-quantized FP8 checkpoint runs as FP8 either way)")
+           "CPU); none: the weights as stored (a pre-quantized FP8 or 4-bit checkpoint runs as "
+           "stored); gptq, awq, compressed-tensors: a checkpoint of that quant_method, as stored "
+           "(W4A16 for 4-bit ones), any other refused")
     a("--device", default=d.device, help="auto, cpu or cuda")
     a("--block-size", type=int, default=d.block_size, help="tokens per KV block")
     a("--max-num-seqs", type=int, default=d.max_num_seqs, help="sequences per step")

@@ -23,6 +23,7 @@ import torch.multiprocessing as mp
 from worker.config import EngineConfig
 from worker.model_runner import ModelRunner
 from worker.models.loader import ModelSource, load_config
+from worker.models.quantization import check_tensor_parallel
 from worker.parallel import Shard, check_splittable, device_for
 from worker.step_channel import COPY, STEP, STOP, SWAP, StepChannel
 
@@ -80,6 +81,7 @@ def launch(config: EngineConfig, source: ModelSource) -> Ranks:
     size = config.tensor_parallel_size
     model = load_config(source)
     check_splittable(model.num_heads, model.num_kv_heads, size)
+    check_tensor_parallel(model, size)
     device = device_for(config, 0)
     if device.type == "cuda" and torch.cuda.device_count() < size:
         raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs; "

@@ -150,57 +150,88 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, "torch.Tensor | CheckpointSlice"]]) -> None:
         """Copies in this rank's slice of each Hugging Face-named tensor, packing q/k/v and
-        gate/up. A tensor may come as a lazy checkpoint slice: then only the slice is read."""
+        gate/up. A tensor may come as a lazy checkpoint slice: then only the slice is read.
+
+        Which dimension of a parameter runs along its layer's outputs and which along its
+        inputs is the layer's to say (`checkpoint_axes`; `nn.Linear`'s `weight` is [out, in],
+        its other parameters [out]): packed projections concatenate their parts along the
+        outputs, column-parallel layers slice the outputs, row-parallel ones the inputs."""
         cfg, hd = self.config, self.config.head_dim
         heads, mlp, vocab = self.layers[0].self_attn.heads, self.layers[0].mlp, self.embed_tokens
         q, kv, inter = heads.num_heads * hd, heads.num_kv_heads * hd, mlp.size
-        layout = {  # HF name piece -> (our piece, row offset in it, dim sliced, start, length, full size)
-            "q_proj": ("qkv_proj", 0, 0, heads.q_start * hd, q, cfg.num_heads * hd),
-            "k_proj": ("qkv_proj", q, 0, heads.kv_start * hd, kv, cfg.num_kv_heads * hd),
-            "v_proj": ("qkv_proj", q + kv, 0, heads.kv_start * hd, kv, cfg.num_kv_heads * hd),
-            "o_proj": ("o_proj", 0, 1, heads.q_start * hd, q, cfg.num_heads * hd),
-            "gate_proj": ("gate_up_proj", 0, 0, mlp.start, inter, cfg.intermediate_size),
-            "up_proj": ("gate_up_proj", inter, 0, mlp.start, inter, cfg.intermediate_size),
-            "down_proj": ("down_proj", 0, 1, mlp.start, inter, cfg.intermediate_size),
-            "embed_tokens": ("embed_tokens", 0, 0, vocab.start, vocab.length, cfg.vocab_size),
-            "lm_head": ("lm_head", 0, 0, vocab.start, vocab.length, cfg.vocab_size),
+        layout = {  # HF name piece -> (our piece, offset in its outputs, axis sliced, start, length, full size)
+            "q_proj": ("qkv_proj", 0, OUT, heads.q_start * hd, q, cfg.num_heads * hd),
+            "k_proj": ("qkv_proj", q, OUT, heads.kv_start * hd, kv, cfg.num_kv_heads * hd),
+            "v_proj": ("qkv_proj", q + kv, OUT, heads.kv_start * hd, kv, cfg.num_kv_heads * hd),
+            "o_proj": ("o_proj", 0, IN, heads.q_start * hd, q, cfg.num_heads * hd),
+            "gate_proj": ("gate_up_proj", 0, OUT, mlp.start, inter, cfg.intermediate_size),
+            "up_proj": ("gate_up_proj", inter, OUT, mlp.start, inter, cfg.intermediate_size),
+            "down_proj": ("down_proj", 0, IN, mlp.start, inter, cfg.intermediate_size),
+            "embed_tokens": ("embed_tokens", 0, OUT, vocab.start, vocab.length, cfg.vocab_size),
+            "lm_head": ("lm_head", 0, OUT, vocab.start, vocab.length, cfg.vocab_size),
         }
-        params = dict(self.named_parameters())
-        loaded: dict[str, set[int]] = {}   # our parameter -> row offsets filled
+        params, modules = dict(self.named_parameters()), dict(self.named_modules())
+        loaded: dict[str, dict[int, str]] = {}   # our parameter -> output offsets filled, by whom
         for name, source in weights:
             name = name.removeprefix("model.")
             if "rotary_emb" in name or (name == "lm_head.weight" and cfg.tie_word_embeddings):
                 continue
             parts = name.split(".")
             shape = tuple(source.shape if isinstance(source, torch.Tensor) else source.get_shape())
-            target, offset, tensor = name, 0, None
+            target, offset, tensor, out_dim = name, 0, None, None
             if len(parts) >= 2 and parts[-2] in layout:
-                piece, offset, dim, start, length, full = layout[parts[-2]]
-                target = ".".join(parts[:-2] + [piece, parts[-1]])
-                if parts[-1] == "weight_scale" and dim == 1:
-                    # One scale per output channel: a layer split by columns has all of them.
-                    dim, start, length, full = 0, 0, shape[0], shape[0]
-                if len(shape) <= dim or shape[dim] != full:
-                    raise ValueError(f"checkpoint tensor {name!r} has shape {shape}: dimension {dim} "
-                                     f"should be {full}")
-                tensor = _read(source, dim, start, length)
-            if target not in params:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in {cfg.architecture}")
-            dest = params[target].data
+                piece, offset, axis, start, length, full = layout[parts[-2]]
+                owner = ".".join(parts[:-2] + [piece])
+                target = f"{owner}.{parts[-1]}"
+                out_dim, in_dim, per_entry = _axes(modules.get(owner), parts[-1])
+                dim = out_dim if axis == OUT else in_dim
+                if dim is not None:
+                    if axis == IN:      # counted in entries of `per_entry` input features (packed, grouped)
+                        if start % per_entry or length % per_entry:
+                            raise ValueError(f"checkpoint tensor {name!r}: this rank's input features {start}.."
+                                             f"{start + length - 1} are not whole entries of {per_entry}")
+                        start, length, full = start // per_entry, length // per_entry, full // per_entry
+                    if len(shape) <= dim or shape[dim] != full:
+                        raise ValueError(f"checkpoint tensor {name!r} has shape {shape}: dimension {dim} "
+                                         f"should be {full}")
+                    tensor = _read(source, dim, start, length)
+                if axis == IN:
+                    out_dim = None      # one part, whole along the outputs
             if tensor is None:
                 tensor = source if isinstance(source, torch.Tensor) else source[:]
-            elif dim == 0:
-                dest = dest.narrow(0, offset, length)
+            if target not in params:
+                if parts[-1] == "bias" and target.removesuffix(".bias") in modules and not tensor.any():
+                    continue    # a zero bias of a layer without one (AutoGPTQ writes one for every linear)
+                raise ValueError(f"checkpoint tensor {name!r} has no place in {cfg.architecture}")
+            dest = params[target].data
+            if out_dim is not None:
+                dest = dest.narrow(out_dim, offset, tensor.shape[out_dim])
             if dest.shape != tensor.shape:
                 raise ValueError(f"checkpoint tensor {name!r} has shape {shape}, which does not fit "
                                  f"{target} of shape {tuple(params[target].shape)}")
+            filled = loaded.setdefault(target, {})
+            if out_dim is None and filled and not torch.equal(dest, tensor.to(dest.dtype)):
+                # One tensor for every part of a packed projection (an input order): they must agree.
+                raise ValueError(f"checkpoint tensor {name!r} differs from {next(iter(filled.values()))!r}, "
+                                 f"but {target} holds one for all the projections packed into it")
             dest.copy_(tensor)
-            loaded.setdefault(target, set()).add(offset)
+            filled[offset] = name
         pieces = {"qkv_proj": 3, "gate_up_proj": 2}
         missing = [n for n in params if not (n == "lm_head.weight" and cfg.tie_word_embeddings)
                    and len(loaded.get(n, ())) < pieces.get(n.split(".")[-2], 1)]
         if missing:
             raise ValueError(f"checkpoint lacks tensors for {len(missing)} parameters, e.g. {missing[:3]}")
+
+
+OUT, IN = "out", "in"   # a layer's axis that tensor parallelism slices: its outputs or its inputs
+
+
+def _axes(module: nn.Module | None, param: str) -> tuple[int | None, int | None, int]:
+    """Parameter `param`'s dimension along `module`'s outputs, along its inputs (None: it has
+    none), and the input features each entry along the latter stands for."""
+    if hasattr(module, "checkpoint_axes"):
+        return module.checkpoint_axes(param)
+    return (0, 1, 1) if param == "weight" else (0, None, 1)
 
 
 class CheckpointSlice(Protocol):

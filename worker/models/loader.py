@@ -7,6 +7,7 @@ packs the tensors itself. Errors name the file and what is wrong with it.
 import contextlib
 import importlib.util
 import json
+import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -15,10 +16,13 @@ import numpy as np
 import torch
 
 from common.progress import progress
-from worker.config import ModelConfig
+from worker.config import CheckpointQuantization, ModelConfig
 from worker.models.llama import CheckpointSlice, LlamaForCausalLM
 from worker.models.quantization import checkpoint_quantization, linear_method
+from worker.models.w4_formats import GGUF_BLOCK, from_gguf_q4_0, from_gguf_q8_0
 from worker.parallel import Shard
+
+log = logging.getLogger("pagedserve.worker")
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -112,13 +116,7 @@ def config_from_hf(path: str) -> ModelConfig:
     max_pos = raw.get("max_position_embeddings", 4096)
     if raw.get("sliding_window") and raw.get("use_sliding_window", arch == "MistralForCausalLM"):
         max_pos = min(max_pos, raw["sliding_window"])   # no sliding-window attention: stay within it
-    quantization = None
-    if raw.get("quantization_config"):
-        try:
-            quantization = checkpoint_quantization(raw["quantization_config"], raw["num_hidden_layers"])
-        except ValueError as e:
-            raise ModelLoadError(f"{file}: {e}") from e
-    return ModelConfig(
+    cfg = ModelConfig(
         architecture=arch, vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"],
         intermediate_size=raw["intermediate_size"], num_layers=raw["num_hidden_layers"],
         num_heads=heads, num_kv_heads=raw.get("num_key_value_heads", heads),
@@ -129,8 +127,13 @@ def config_from_hf(path: str) -> ModelConfig:
         attention_bias=arch == "Qwen2ForCausalLM" or raw.get("attention_bias", False),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
-        quantization=quantization,
     )
+    if raw.get("quantization_config"):
+        try:
+            cfg.quantization = checkpoint_quantization(raw["quantization_config"], cfg)
+        except ValueError as e:
+            raise ModelLoadError(f"{file}: {e}") from e
+    return cfg
 
 
 def hf_weights(path: str) -> Iterator[tuple[str, CheckpointSlice]]:
@@ -164,6 +167,14 @@ GGUF_NAMES = {  # GGUF tensor name piece -> Hugging Face name piece
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+GGUF_LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+# GGUF types whose decoder linears stay quantized (when all of them have the one type), and the
+# canonical tensors they are repacked into (w4_formats): names after the linear's, in the
+# parameters of quantization.W4Linear / Q8Linear.
+GGUF_KEPT = {
+    "Q4_0": lambda blocks: {"": from_gguf_q4_0(blocks)},
+    "Q8_0": lambda blocks: dict(zip(("", "_low"), from_gguf_q8_0(blocks))),
+}
 
 
 def _open_gguf(path: str):
@@ -190,6 +201,8 @@ def config_from_gguf(path: str, reader=None) -> ModelConfig:
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     tensor_names = {t.name for t in reader.tensors}
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    linear_types = {t.tensor_type.name for t in reader.tensors if _gguf_linear(t.name)}
+    kept = next(iter(linear_types)) if len(linear_types) == 1 else None     # one type, if one kept
     return ModelConfig(
         architecture=GGUF_ARCHITECTURES[arch],
         vocab_size=len(tokens.data) if tokens is not None else a("vocab_size"),
@@ -201,7 +214,16 @@ def config_from_gguf(path: str, reader=None) -> ModelConfig:
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias=arch == "qwen2", bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=[] if eos is None else [eos],
+        quantization=None if kept not in GGUF_KEPT else CheckpointQuantization(
+            method="w4a16" if kept == "Q4_0" else "w8a16", quant_method="gguf", group_size=GGUF_BLOCK,
+            checkpoint_format=kept),
     )
+
+
+def _gguf_linear(name: str) -> bool:
+    """Whether GGUF tensor `name` is a decoder linear's weight (blk.<i>.<linear>.weight)."""
+    parts = name.split(".")
+    return len(parts) == 4 and parts[0] == "blk" and parts[2] in GGUF_LINEARS and parts[3] == "weight"
 
 
 def _unpermute_qk(w: np.ndarray, heads: int) -> np.ndarray:
@@ -210,15 +232,24 @@ def _unpermute_qk(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_weights(path: str, cfg: ModelConfig, reader=None) -> Iterator[tuple[str, torch.Tensor]]:
+def gguf_weights(path: str, cfg: ModelConfig, reader=None,
+                 keep: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors with Hugging Face names, dequantized to float32, except the decoder linears
+    of a type in `keep` (GGUF_KEPT): those come repacked into the canonical 4-bit tensors
+    (`<linear>.qweight`, `.scales`, `.zeros`, and `_low` ones for Q8_0)."""
     import gguf
     reader = reader or _open_gguf(path)
     llama_layout = cfg.architecture == "LlamaForCausalLM"
-    for t in progress(reader.tensors, len(reader.tensors), f"dequantizing {os.path.basename(path)}"):
+    dequantized: dict[str, int] = {}        # quantized type -> tensors dequantized on load
+    for t in progress(reader.tensors, len(reader.tensors), f"reading {os.path.basename(path)}"):
+        kept = _gguf_linear(t.name) and t.tensor_type.name in keep
         try:
-            array = gguf.quants.dequantize(t.data, t.tensor_type)
+            # np.array copies, as the reader maps the file read-only (the float32 one below, too).
+            array = np.array(t.data) if kept else gguf.quants.dequantize(t.data, t.tensor_type)
         except Exception as e:
             raise ModelLoadError(f"{path}: cannot dequantize tensor {t.name} ({t.tensor_type.name}): {e}") from e
+        if not kept and t.tensor_type.name not in ("F32", "F16", "BF16"):
+            dequantized[t.tensor_type.name] = dequantized.get(t.tensor_type.name, 0) + 1
         parts = t.name.split(".")
         if t.name == "token_embd.weight":
             name = "model.embed_tokens.weight"
@@ -232,7 +263,15 @@ def gguf_weights(path: str, cfg: ModelConfig, reader=None) -> Iterator[tuple[str
                 array = _unpermute_qk(array, cfg.num_heads if parts[2] == "attn_q" else cfg.num_kv_heads)
         else:
             raise ModelLoadError(f"{path}: unexpected tensor {t.name}")
-        yield name, torch.from_numpy(np.array(array, dtype=np.float32))  # copy: the reader maps the file read-only
+        if kept:
+            for suffix, w in GGUF_KEPT[t.tensor_type.name](torch.from_numpy(array)).items():
+                linear = name.removesuffix(".weight")
+                yield from ((f"{linear}.{part}{suffix}", getattr(w, part)) for part in ("qweight", "scales", "zeros"))
+        else:
+            yield name, torch.from_numpy(np.array(array, dtype=np.float32))
+    if dequantized:
+        log.info("%s: dequantized on load, not kept quantized (tensors by type): %s", os.path.basename(path),
+                 ", ".join(f"{kind} {n}" for kind, n in sorted(dequantized.items())))
 
 
 # ---------------------------------------------------------------- entry points
@@ -261,11 +300,16 @@ def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype, se
                shard: Shard = Shard(), quantization: str = "none") -> tuple[ModelConfig, LlamaForCausalLM]:
     """Builds the model (`shard`'s slice of it) on `device` without a throwaway
     initialisation, then fills it; `quantization` is EngineConfig's (a pre-quantized checkpoint
-    loads as its config.json says either way)."""
+    loads as its config.json says, under none or the name of its method; another is refused)."""
     reader = _open_gguf(source.path) if source.path and source.path.endswith(".gguf") else None
     cfg = load_config(source, reader)
-    method = linear_method(quantization, cfg.quantization, dummy=source.format == "dummy")
+    try:
+        method = linear_method(quantization, cfg.quantization, dummy=source.format == "dummy")
+    except ValueError as e:
+        raise ModelLoadError(f"{source.path or source.name}: {e}") from e
     method.check_device(device)     # before minutes of loading
+    if shard.rank == 0:
+        log.info("decoder linears of %s: %s", source.name, method.description)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -275,13 +319,18 @@ def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype, se
         torch.set_default_dtype(previous)
     model = model.to_empty(device=device)
     model.init_buffers()
-    if source.format == "dummy":
-        dummy_weights(model, seed + 7919 * shard.rank)
-    elif source.format == "gguf":
-        model.load_weights(gguf_weights(source.path, cfg, reader))
-    else:
-        model.load_weights(method.checkpoint_tensors(hf_weights(source.path)))
-    method.after_loading(model)
+    try:
+        if source.format == "dummy":
+            dummy_weights(model, seed + 7919 * shard.rank)
+        elif source.format == "gguf":
+            model.load_weights(gguf_weights(source.path, cfg, reader, method.keep))
+        else:
+            model.load_weights(method.checkpoint_tensors(hf_weights(source.path)))
+        method.after_loading(model)
+    except ModelLoadError:
+        raise
+    except ValueError as e:     # a tensor that does not fit: say which model it is in
+        raise ModelLoadError(f"{source.path or source.name}: {e}") from e
     return cfg, model.eval()
 
 

@@ -14,20 +14,34 @@ packs them (`checkpoint_tensors`), and what happens once every weight is in (`af
 - A Hugging Face `fp8` checkpoint with block scales (128 x 128 in the published ones): each
   weight's blocks are dequantized as it is read, and the layers are requantized per output
   channel after loading (no block-scaled GEMM yet).
-
-A weight-only 4-bit linear would be one more class and `LinearMethod` next to these.
+- A 4-bit weight-only checkpoint (W4A16): GPTQ (v1 and v2), AWQ (GEMM) or compressed-tensors
+  `pack-quantized`. The model is built with `W4Linear`; each linear's tensors are read whole,
+  repacked into the one canonical layout of `kernels.w4a16` (`worker.models.w4_formats`), and
+  the model slices and fuses those like any other weight: q/k/v and gate/up concatenate along
+  out_features, row-parallel layers take their whole groups of in_features.
+  (`--load-format dummy` with a 4-bit method draws high-precision weights and rounds them to
+  4 bits on load, for benchmarks of the shape.)
+- A GGUF file whose decoder linears are all Q4_0 or all Q8_0 keeps them quantized: Q4_0 is
+  the canonical layout at group 32 (`W4Linear`), Q8_0 the sum of two such weights
+  (`Q8Linear`). Other GGUF types (Q4_1, Q4_K, Q6_K, ...) are dequantized on load: their
+  blocks add a float offset (`w = d q + m`), which the canonical layout's integer zero points
+  cannot hold.
 """
 
+import importlib.util
 import logging
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
 
 from kernels.fp8 import FP8_DTYPE, dequantize_blocks, fp8_linear, per_channel_quant
-from worker.config import CheckpointQuantization
+from kernels.w4a16 import PACK, W4Weight, w4a16_matmul
+from worker.config import CheckpointQuantization, ModelConfig
+from worker.models import w4_formats
 from worker.models.llama import CheckpointSlice
+from worker.parallel import Shard, check_splittable, split_heads
 
 Tensorish = torch.Tensor | CheckpointSlice      # a checkpoint tensor, read or not yet
 
@@ -36,9 +50,17 @@ log = logging.getLogger("pagedserve.worker")
 # The quantized linears by their Hugging Face names (the model packs q/k/v and gate/up).
 DECODER_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-SUPPORTED_CHECKPOINTS = ("compressed-tensors (format float-quantized: FP8 weights per channel or per tensor)",
-                         "fp8 (Hugging Face, with weight_block_size)")
+SUPPORTED_CHECKPOINTS = (("compressed-tensors (format float-quantized: FP8 weights per channel or per tensor; "
+                          "format pack-quantized: 4-bit integer weights, W4A16)"),
+                         "fp8 (Hugging Face, with weight_block_size)",
+                         "gptq (4 bits, checkpoint_format gptq or gptq_v2)",
+                         "awq (4 bits, version gemm)")
 FP8_MIN_CAPABILITY = (8, 9)     # FP8 tensor cores: Ada, Hopper and later
+W4_METHODS = ("gptq", "awq", "compressed-tensors")      # the --quantization names of 4-bit formats
+# The Triton W4A16 GEMM's K-tiles hold at least 16 rows and never straddle a group
+# (kernels/triton_w4a16.py `_block_k`): a group size must be a multiple of 16, or -1.
+W4_GROUP_MULTIPLE = 16
+W4_ON_LOAD_GROUP_SIZE = 128     # random weights rounded to 4 bits on load (dummy): the common size
 
 
 class Fp8Linear(nn.Module):
@@ -73,12 +95,131 @@ class Fp8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+class W4Linear(nn.Module):
+    """`x @ W.T + bias` with `W` held as 4-bit integers in the canonical layout of
+    `kernels.w4a16` (`qweight`, `scales`, `zeros`, and `perm` under act-order), dequantized
+    inside the GEMM (`w4a16_matmul`: Triton on a GPU, the reference on the CPU). The tensors
+    are parameters, so the model's loader, `to_empty` and `.to(device)` treat them like
+    `nn.Linear`'s; `scales` takes the model's dtype, as the model's other weights do."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, group_size: int,
+                 act_order: bool = False, device: torch.device | str | None = None):
+        """`group_size` -1: one group over all in_features (and, split by rows under tensor
+        parallelism, over each rank's)."""
+        super().__init__()
+        group = in_features if group_size == -1 else group_size
+        if group <= 0 or in_features % PACK or in_features % group:
+            raise ValueError(f"a 4-bit linear of {in_features} input features cannot have groups of "
+                             f"{group_size}: in_features must be a multiple of {PACK} and of the group size")
+        self.in_features, self.out_features, self.group_size = in_features, out_features, group
+        self.one_group = group_size == -1
+        groups = in_features // group
+        self.qweight = nn.Parameter(torch.empty(in_features // PACK, out_features, dtype=torch.int32,
+                                                device=device), requires_grad=False)
+        self.scales = nn.Parameter(torch.empty(groups, out_features, device=device), requires_grad=False)
+        self.zeros = nn.Parameter(torch.empty(groups, out_features, dtype=torch.uint8, device=device),
+                                  requires_grad=False)
+        self.register_parameter("perm", nn.Parameter(torch.empty(in_features, dtype=torch.int32, device=device),
+                                                     requires_grad=False) if act_order else None)
+        self.register_parameter("bias", nn.Parameter(torch.empty(out_features, device=device), requires_grad=False)
+                                if bias else None)
+        self._weights: dict[str, W4Weight] = {}     # by the suffix of their parameters' names
+
+    @classmethod
+    def from_weight(cls, weight: W4Weight, bias: torch.Tensor | None = None) -> "W4Linear":
+        """A layer holding `weight`'s tensors (and `bias`) themselves."""
+        linear = cls(weight.in_features, weight.out_features, False, weight.group_size, device="meta")
+        linear.qweight, linear.scales, linear.zeros = (nn.Parameter(t, requires_grad=False) for t in
+                                                       (weight.qweight, weight.scales, weight.zeros))
+        linear.perm = None if weight.perm is None else nn.Parameter(weight.perm, requires_grad=False)
+        linear.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        return linear
+
+    @property
+    def w4(self) -> W4Weight:
+        """The layer's tensors as a `W4Weight`."""
+        return self._weight("")
+
+    def _weight(self, suffix: str) -> W4Weight:
+        """The parameters named `qweight{suffix}`, ... as a `W4Weight`, built again only when
+        one was replaced (`to_empty`, a dropped perm): its checks cost more than a decode
+        step's GEMM on small layers."""
+        tensors = [getattr(self, name + suffix) for name in ("qweight", "scales", "zeros")] + [self.perm]
+        w = self._weights.get(suffix)
+        if w is None or any(a is not b for a, b in zip((w.qweight, w.scales, w.zeros, w.perm), tensors)):
+            w = self._weights[suffix] = W4Weight(*tensors[:3], self.group_size, self.in_features,
+                                                 self.out_features, tensors[3])
+        return w
+
+    def checkpoint_axes(self, name: str) -> tuple[int | None, int | None, int]:
+        """For the model's loader: parameter `name`'s dimension along out_features, along
+        in_features (None: it has none), and the in_features each entry along the latter
+        stands for (a row of `qweight` packs 8; one of `scales` or `zeros`, a group)."""
+        if name == "qweight":
+            return 1, 0, PACK
+        if name in ("scales", "zeros"):
+            # One group over all inputs: a rank holding some of the rows needs all of it.
+            return (1, None, 1) if self.one_group else (1, 0, self.group_size)
+        if name == "perm":
+            return None, None, 1      # one input order for the whole layer (and for all its fused parts)
+        return 0, None, 1             # bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = w4a16_matmul(x, self.w4)
+        return out if self.bias is None else out + self.bias
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, group_size="
+                f"{-1 if self.one_group else self.group_size}, act_order={self.perm is not None}, "
+                f"bias={self.bias is not None}")
+
+
+class Q8Linear(W4Linear):
+    """`x @ W.T + bias` with `W` in 8-bit integers per group of 32 inputs (GGUF Q8_0), held
+    as the sum of two 4-bit weights in the canonical layout (`w4_formats.from_gguf_q8_0`): a
+    high one (`qweight`, `scales`, `zeros`) and a low one (`qweight_low`, ...). Two W4A16
+    GEMMs read the bytes an 8-bit GEMM would, with no kernel of its own."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool,
+                 device: torch.device | str | None = None):
+        super().__init__(in_features, out_features, bias, w4_formats.GGUF_BLOCK, device=device)
+        for name in ("qweight", "scales", "zeros"):
+            high = getattr(self, name)
+            self.register_parameter(f"{name}_low", nn.Parameter(torch.empty_like(high), requires_grad=False))
+
+    def checkpoint_axes(self, name: str) -> tuple[int | None, int | None, int]:
+        return super().checkpoint_axes(name.removesuffix("_low"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = w4a16_matmul(x, self.w4) + w4a16_matmul(x, self._weight("_low"))
+        return out if self.bias is None else out + self.bias
+
+
+@torch.no_grad()
+def round_to_w4(weight: torch.Tensor, group_size: int) -> W4Weight:
+    """`weight [N, K]` rounded to 4 bits per group of `group_size` inputs (-1: one group),
+    each group's range [min, max] mapped onto 0..15 (asymmetric, round to nearest): what a
+    real checkpoint's calibration does better, for weights that have no checkpoint."""
+    n, k = weight.shape
+    group = k if group_size == -1 else group_size
+    if k % group:
+        raise ValueError(f"{k} input features do not split into groups of {group}")
+    w = weight.float().reshape(n, k // group, group)
+    low, high = w.amin(-1).clamp(max=0), w.amax(-1).clamp(min=0)     # zero stays representable
+    scales = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
+    zeros = (-low / scales).round().clamp(0, 15)
+    values = (w / scales[..., None] + zeros[..., None]).round().clamp(0, 15)
+    return W4Weight.from_values(values.reshape(n, k).t(), scales.t().to(weight.dtype), zeros.t(), group)
+
+
 # ---------------------------------------------------------------- how a load treats the linears
 
 class LinearMethod:
     """High-precision linears, loaded as the checkpoint has them."""
 
     asked = "--quantization none"       # what chose this method, for error messages
+    description = "high precision"      # what the linears compute, for the load log
+    keep: frozenset[str] = frozenset()  # GGUF tensor types the loader hands on undequantized
 
     def create(self, in_features: int, out_features: int, bias: bool) -> nn.Module:
         return nn.Linear(in_features, out_features, bias=bias)
@@ -116,6 +257,7 @@ class Fp8OnLoad(Fp8Method):
     `nn.Linear`, then replaced by its `Fp8Linear`."""
 
     asked = "--quantization fp8"
+    description = "FP8 W8A8, quantized on load per output channel"
 
     def after_loading(self, model: nn.Module) -> None:
         quantize_decoder_linears(model)
@@ -126,6 +268,7 @@ class Fp8Checkpoint(Fp8Method):
     per-channel (`[N, 1]`) or per-tensor (`[1]`) weight scales, made per channel `[N]`."""
 
     asked = "the checkpoint's FP8 quantization_config (compressed-tensors)"
+    description = "FP8 W8A8 as stored (compressed-tensors float-quantized)"
 
     def create(self, in_features: int, out_features: int, bias: bool) -> nn.Module:
         return Fp8Linear(in_features, out_features, bias)
@@ -176,6 +319,8 @@ class Fp8BlockCheckpoint(Fp8OnLoad):
 
     def __init__(self, block: tuple[int, int]):
         self.block = block
+        self.description = (f"FP8 W8A8 (Hugging Face fp8 checkpoint, {block[0]}x{block[1]} block scales "
+                            f"requantized per output channel)")
 
     def checkpoint_tensors(self, weights: Iterable[tuple[str, Tensorish]]) -> Iterator[tuple[str, Tensorish]]:
         pending: dict[str, dict[str, Tensorish]] = {}     # module -> its weight / scale, until both are read
@@ -201,39 +346,308 @@ class Fp8BlockCheckpoint(Fp8OnLoad):
 
 
 @torch.no_grad()
-def quantize_decoder_linears(model: nn.Module) -> None:
-    """Replaces every `nn.Linear` of the decoder layers by its `Fp8Linear`, one at a time: each
-    high-precision weight is freed as soon as its FP8 copy replaces it (nothing else holds
-    it), so an 8B model never holds both."""
+def quantize_decoder_linears(model: nn.Module,
+                             convert: Callable[[nn.Linear], nn.Module] = Fp8Linear.from_linear) -> None:
+    """Replaces every `nn.Linear` of the decoder layers by `convert(linear)` (its `Fp8Linear`
+    unless told otherwise), one at a time: each high-precision weight is freed as soon as its
+    quantized copy replaces it (nothing else holds it), so an 8B model never holds both."""
     for layer in model.layers:
         for parent in [m for m in layer.modules() if any(type(c) is nn.Linear for c in m.children())]:
             for name in [n for n, c in parent.named_children() if type(c) is nn.Linear]:
-                setattr(parent, name, Fp8Linear.from_linear(getattr(parent, name)))
+                setattr(parent, name, convert(getattr(parent, name)))
+
+
+class W4Method(LinearMethod):
+    """What every 4-bit method shares: the device check."""
+
+    def check_device(self, device: torch.device) -> None:
+        if device.type == "cpu":
+            log.info("W4A16 (%s) on the CPU: each linear dequantizes its weight at every call "
+                     "(kernels.w4a16.w4a16_matmul_ref), which is slower than the unquantized model", self.asked)
+        elif device.type == "cuda" and importlib.util.find_spec("triton") is None:
+            raise ValueError(f"{self.asked} on a GPU needs the Triton W4A16 GEMM, and triton is not "
+                             f"installed (pip install triton); allowed without it: --device cpu")
+
+
+class W4OnLoad(W4Method):
+    """Random (dummy) weights, drawn in high precision, rounded to 4 bits once loaded: the
+    memory and speed of a 4-bit checkpoint of the shape, without its accuracy."""
+
+    def __init__(self, asked: str, group_size: int):
+        self.asked, self.group_size = asked, group_size
+        self.description = f"W4A16, random weights rounded to 4 bits on load (group size {group_size})"
+
+    def after_loading(self, model: nn.Module) -> None:
+        def rounded(linear: nn.Linear) -> W4Linear:
+            try:
+                return W4Linear.from_weight(round_to_w4(linear.weight, self.group_size), linear.bias)
+            except ValueError as e:
+                raise ValueError(f"{self.asked} on random weights rounds them in groups of {self.group_size}: "
+                                 f"{e}") from e
+        quantize_decoder_linears(model, rounded)
+
+
+# A decoder linear's Hugging Face name -> the packed projection it is part of.
+FUSED_PROJECTIONS = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+                     "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+
+
+class W4Checkpoint(W4Method):
+    """A pre-quantized 4-bit checkpoint, in the format a subclass reads. Each decoder
+    linear's tensors are gathered (a linear's come together in the name-sorted files, so few
+    wait at once), read whole, repacked into the canonical layout (`W4Linear`'s parameters:
+    qweight, scales, zeros and, under act-order, perm) and handed on; the model takes its
+    slice of those. So a rank of a tensor-parallel worker reads every layer whole (4-bit
+    weights are a quarter of bf16's bytes, each held only until repacked) rather than the
+    format's own slices, and the slicing is written once, for the canonical layout."""
+
+    parts: tuple[str, ...]              # the tensors every layer of the format has
+    zero_point_part: str | None = None  # the one stored only with zero points (asymmetric)
+    g_idx_part: str | None = None       # the one giving each input feature's group
+
+    def __init__(self, checkpoint: CheckpointQuantization):
+        self.checkpoint = checkpoint
+        self.asked = f"the checkpoint's 4-bit quantization_config ({checkpoint.quant_method})"
+        details = [checkpoint.quant_method,
+                   "one group per row" if checkpoint.group_size == -1 else f"group size {checkpoint.group_size}",
+                   "symmetric" if checkpoint.symmetric else "zero points"]
+        if checkpoint.checkpoint_format:
+            details.insert(1, f"checkpoint_format {checkpoint.checkpoint_format}")
+        if checkpoint.act_order:
+            details.append("act-order")
+        self.description = f"W4A16 as stored ({', '.join(details)})"
+        self.required = set(self.parts)
+        if self.zero_point_part and not checkpoint.symmetric:
+            self.required.add(self.zero_point_part)
+        if self.g_idx_part and checkpoint.act_order:
+            self.required.add(self.g_idx_part)
+
+    def create(self, in_features: int, out_features: int, bias: bool) -> nn.Module:
+        return W4Linear(in_features, out_features, bias, self.checkpoint.group_size, self.checkpoint.act_order)
+
+    def repack(self, parts: dict[str, torch.Tensor]) -> W4Weight:
+        """One layer's tensors (the keys of `self.required`) in the canonical layout."""
+        raise NotImplementedError
+
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, Tensorish]]) -> Iterator[tuple[str, Tensorish]]:
+        pending: dict[str, dict[str, torch.Tensor]] = {}         # linear -> its tensors read so far
+        orders: dict[str, tuple[str, torch.Tensor]] = {}         # fused projection -> (first part, its perm)
+        for name, source in weights:
+            linear, _, kind = name.rpartition(".")
+            if not _is_decoder_linear(linear) or kind == "bias":
+                yield name, source
+                continue
+            if kind == self.g_idx_part and not self.checkpoint.act_order:
+                _check_groups_in_order(name, _whole(source), self.checkpoint.group_size)
+                continue        # the plain grouping, which the canonical layout has anyway
+            if kind not in self.required:
+                raise ValueError(f"checkpoint tensor {name!r} is not one of a {self.checkpoint.quant_method} 4-bit "
+                                 f"layer's ({', '.join(sorted(self.required))}): a model of 4-bit and other "
+                                 f"decoder linears is not supported")
+            parts = pending.setdefault(linear, {})
+            parts[kind] = _whole(source)
+            if len(parts) < len(self.required):
+                continue
+            del pending[linear]
+            try:
+                w = self.repack(parts)
+            except ValueError as e:
+                raise ValueError(f"checkpoint layer {linear!r}: {e}") from e
+            yield f"{linear}.qweight", w.qweight
+            yield f"{linear}.scales", w.scales
+            yield f"{linear}.zeros", w.zeros
+            if self.checkpoint.act_order:
+                perm = w.perm if w.perm is not None else torch.arange(w.in_features, dtype=torch.int32)
+                self._check_fused_order(linear, perm, orders)
+                yield f"{linear}.perm", perm
+        if pending:
+            linear, parts = next(iter(pending.items()))
+            raise ValueError(f"checkpoint lacks {', '.join(sorted(self.required - parts.keys()))} of the 4-bit "
+                             f"layer {linear!r} ({len(pending)} layers incomplete)")
+
+    def _check_fused_order(self, linear: str, perm: torch.Tensor,
+                           orders: dict[str, tuple[str, torch.Tensor]]) -> None:
+        """Refuses parts of one fused projection quantized in different activation orders:
+        the packed projection gathers its input once, in one order. (Not unfused instead:
+        GPTQ and llm-compressor derive the order from the layer's inputs, which q/k/v and
+        gate/up share, so such checkpoints are not expected.)"""
+        prefix, _, projection = linear.rpartition(".")
+        if projection not in FUSED_PROJECTIONS:
+            return
+        fused = f"{prefix}.{FUSED_PROJECTIONS[projection]}"
+        first, first_perm = orders.setdefault(fused, (linear, perm))
+        if not torch.equal(first_perm, perm):
+            raise ValueError(f"checkpoint layers {first!r} and {linear!r} have different act-order groups "
+                             f"({self.g_idx_part}), but pagedserve packs them into one {FUSED_PROJECTIONS[projection]} "
+                             f"that takes its input in one order; allowed: act-order checkpoints whose fused "
+                             f"projections share their g_idx")
+
+    def after_loading(self, model: nn.Module) -> None:
+        if not self.checkpoint.act_order:
+            return
+        for module in model.modules():
+            if isinstance(module, W4Linear) and module.perm is not None and torch.equal(
+                    module.perm, torch.arange(module.in_features, dtype=torch.int32, device=module.perm.device)):
+                module.perm = None      # groups in input order after all: no gather in the GEMM
+
+
+class GptqCheckpoint(W4Checkpoint):
+    """GPTQ (`worker.models.w4_formats.from_gptq`: v1 or v2 zero points, act-order g_idx)."""
+
+    parts = ("qweight", "qzeros", "scales")
+    g_idx_part = "g_idx"
+
+    def repack(self, parts: dict[str, torch.Tensor]) -> W4Weight:
+        return w4_formats.from_gptq(parts["qweight"], parts["qzeros"], parts["scales"], parts.get("g_idx"),
+                                    group_size=self.checkpoint.group_size,
+                                    checkpoint_format=self.checkpoint.checkpoint_format)
+
+
+class AwqCheckpoint(W4Checkpoint):
+    """AWQ GEMM (`worker.models.w4_formats.from_awq`)."""
+
+    parts = ("qweight", "qzeros", "scales")
+
+    def repack(self, parts: dict[str, torch.Tensor]) -> W4Weight:
+        return w4_formats.from_awq(parts["qweight"], parts["qzeros"], parts["scales"],
+                                   group_size=self.checkpoint.group_size)
+
+
+class CompressedTensorsW4Checkpoint(W4Checkpoint):
+    """compressed-tensors `pack-quantized` (`worker.models.w4_formats.from_compressed_tensors`)."""
+
+    parts = ("weight_packed", "weight_scale", "weight_shape")
+    zero_point_part = "weight_zero_point"
+    g_idx_part = "weight_g_idx"
+
+    def repack(self, parts: dict[str, torch.Tensor]) -> W4Weight:
+        return w4_formats.from_compressed_tensors(
+            parts["weight_packed"], parts["weight_scale"], parts["weight_shape"], parts.get("weight_zero_point"),
+            parts.get("weight_g_idx"), group_size=self.checkpoint.group_size)
+
+
+class GgufCheckpoint(W4Method):
+    """A GGUF file whose decoder linears are all Q4_0 (as `W4Linear`: group 32, zero point
+    8) or all Q8_0 (as `Q8Linear`), kept as stored: the loader reads them repacked
+    (`loader.gguf_weights`, `keep`) and dequantizes only the other tensors."""
+
+    def __init__(self, checkpoint: CheckpointQuantization):
+        self.type = checkpoint.checkpoint_format
+        self.keep = frozenset({self.type})
+        self.asked = f"a GGUF file of {self.type} decoder linears"
+        self.description = (f"{'W4A16' if self.type == 'Q4_0' else 'W8A16 (two W4A16 GEMMs)'} as stored "
+                            f"(GGUF {self.type}, groups of {w4_formats.GGUF_BLOCK})")
+
+    def create(self, in_features: int, out_features: int, bias: bool) -> nn.Module:
+        if self.type == "Q4_0":
+            return W4Linear(in_features, out_features, bias, w4_formats.GGUF_BLOCK)
+        return Q8Linear(in_features, out_features, bias)
+
+
+W4_CHECKPOINTS: dict[str, type[W4Checkpoint]] = {
+    "gptq": GptqCheckpoint, "awq": AwqCheckpoint, "compressed-tensors": CompressedTensorsW4Checkpoint}
+
+
+def _check_groups_in_order(name: str, g_idx: torch.Tensor, group_size: int) -> None:
+    """A g_idx the config says is not in activation order must be the plain grouping."""
+    k = g_idx.shape[0]
+    plain = torch.arange(k) // (k if group_size == -1 else group_size)
+    if not torch.equal(g_idx.to(torch.int64), plain):
+        raise ValueError(f"checkpoint tensor {name!r} groups the input features in activation order, but the "
+                         f"quantization_config says they are not (desc_act / actorder off)")
+
+
+def allowed_quantizations(checkpoint: CheckpointQuantization | None) -> tuple[str, ...]:
+    """The --quantization values that run a checkpoint quantized as `checkpoint`."""
+    if checkpoint is None or checkpoint.quant_method == "gguf":
+        return "none", "fp8"        # fp8 on GGUF: dequantized, then quantized on load
+    fp8 = ("fp8",) if checkpoint.method == "fp8" and checkpoint.quant_method != "fp8" else ()
+    return ("none", checkpoint.quant_method) + fp8
 
 
 def linear_method(quantization: str, checkpoint: CheckpointQuantization | None,
                   dummy: bool = False) -> LinearMethod:
     """The method for `--quantization` on a checkpoint quantized as `checkpoint` (None: high
-    precision); `dummy`: the weights are drawn at random instead of read."""
-    # Every checkpoint format is FP8 for now, so --quantization none and fp8 both run it; with
-    # a second method, a --quantization other than the checkpoint's is to be refused here.
-    if checkpoint is not None and not dummy:
-        if checkpoint.quant_method == "compressed-tensors":
-            return Fp8Checkpoint()
-        return Fp8BlockCheckpoint(checkpoint.weight_block_size)
-    if checkpoint is not None:      # random weights are drawn in high precision: quantized on load
-        quantization = checkpoint.method
-    return Fp8OnLoad() if quantization == "fp8" else LinearMethod()
+    precision); `dummy`: the weights are drawn at random instead of read. ValueError names
+    the --quantization values that fit when this one does not."""
+    if checkpoint is None and quantization in W4_METHODS:
+        if dummy:
+            return W4OnLoad(f"--quantization {quantization}", W4_ON_LOAD_GROUP_SIZE)
+        raise ValueError(f"--quantization {quantization} runs checkpoints quantized by {quantization}, but this one "
+                         f"has high-precision weights (no quantization_config; or a GGUF file, dequantized on load), "
+                         f"and nothing here rounds weights to 4 bits on load; allowed: "
+                         f"{', '.join(allowed_quantizations(None))} (fp8: quantized on load)")
+    if checkpoint is None:
+        return Fp8OnLoad() if quantization == "fp8" else LinearMethod()
+    if quantization not in allowed_quantizations(checkpoint):
+        raise ValueError(f"--quantization {quantization} does not fit this checkpoint, quantized by "
+                         f"{checkpoint.quant_method} ({checkpoint.method}) as its quantization_config says; "
+                         f"allowed: {', '.join(allowed_quantizations(checkpoint))}")
+    if checkpoint.quant_method == "gguf":       # (random weights of a GGUF's shape: high precision, as ever)
+        return Fp8OnLoad() if quantization == "fp8" else (LinearMethod() if dummy else GgufCheckpoint(checkpoint))
+    if dummy:       # random weights are drawn in high precision: rounded on load as the checkpoint's are
+        return (Fp8OnLoad() if checkpoint.method == "fp8"
+                else W4OnLoad(f"--load-format dummy with a {checkpoint.quant_method} config", checkpoint.group_size))
+    if checkpoint.method == "w4a16":
+        return W4_CHECKPOINTS[checkpoint.quant_method](checkpoint)
+    if checkpoint.quant_method == "compressed-tensors":
+        return Fp8Checkpoint()
+    return Fp8BlockCheckpoint(checkpoint.weight_block_size)
+
+
+def check_tensor_parallel(cfg: ModelConfig, size: int) -> None:
+    """Raises ValueError, before any rank starts, when `size` ranks cannot split the
+    checkpoint's 4-bit layers. Column-parallel layers split out_features, which the canonical
+    layout keeps unpacked; a row-parallel layer (o_proj, down_proj) gives each rank a range of
+    its in_features, which must be whole groups (whole words of 8 with one group per row),
+    and act-order groups are scattered over all of them."""
+    quant = cfg.quantization
+    if size == 1 or quant is None or quant.group_size is None:      # not grouped integers
+        return
+    if quant.act_order:
+        raise ValueError(f"tensor_parallel_size={size} cannot split this act-order 4-bit checkpoint "
+                         f"({quant.quant_method}, desc_act / actorder group): each rank takes a contiguous range of "
+                         f"o_proj's and down_proj's input features, but each act-order group is scattered over "
+                         f"all of them; allowed: tensor_parallel_size=1, or a checkpoint without act-order")
+    if (problem := _row_split_problem(cfg, size)) is not None:
+        fitting = [n for n in range(1, cfg.num_heads + 1)
+                   if _splits_heads(cfg, n) and _row_split_problem(cfg, n) is None]
+        raise ValueError(f"tensor_parallel_size={size} {problem}; allowed for this checkpoint: "
+                         f"tensor_parallel_size {', '.join(map(str, fitting))}")
+
+
+def _row_split_problem(cfg: ModelConfig, size: int) -> str | None:
+    """What keeps `size` ranks from taking whole groups of the row-parallel layers' inputs."""
+    group_size = cfg.quantization.group_size
+    unit = PACK if group_size == -1 else group_size
+    for rank in range(size):
+        shard = Shard(rank, size)
+        heads = split_heads(cfg.num_heads, cfg.num_kv_heads, shard)
+        for name, (start, length) in (("o_proj", (heads.q_start * cfg.head_dim, heads.num_heads * cfg.head_dim)),
+                                      ("down_proj", shard.split(cfg.intermediate_size))):
+            if start % unit or length % unit:
+                what = "words of 8 packed features" if group_size == -1 else f"groups of {unit} (the group size)"
+                return (f"gives rank {rank} the input features {start}..{start + length - 1} of {name}, "
+                        f"which do not start and end on boundaries of {what}")
+    return None
+
+
+def _splits_heads(cfg: ModelConfig, size: int) -> bool:
+    try:
+        check_splittable(cfg.num_heads, cfg.num_kv_heads, size)
+    except ValueError:
+        return False
+    return True
 
 
 # ---------------------------------------------------------------- config.json's quantization_config
 
-def checkpoint_quantization(config: dict, num_layers: int) -> CheckpointQuantization:
-    """Checks a config.json `quantization_config`; ValueError names what is not supported."""
+def checkpoint_quantization(config: dict, model: ModelConfig) -> CheckpointQuantization:
+    """Checks a config.json `quantization_config` against the model it quantizes; ValueError
+    names what is not supported and what is."""
     method = config.get("quant_method")
     if method == "compressed-tensors":
-        _check_compressed_tensors(config, num_layers)
-        return CheckpointQuantization(method="fp8", quant_method=method)
+        return _compressed_tensors(config, model)
     if method == "fp8":
         block = config.get("weight_block_size")
         if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
@@ -242,21 +656,114 @@ def checkpoint_quantization(config: dict, num_layers: int) -> CheckpointQuantiza
         if config.get("fmt", "e4m3") != "e4m3":
             raise ValueError(f"quantization_config (quant_method fp8) has fmt {config['fmt']!r}: only e4m3 is supported")
         return CheckpointQuantization(method="fp8", quant_method=method, weight_block_size=tuple(block))
+    if method == "gptq":
+        return _check_w4_groups(_gptq(config), model)
+    if method == "awq":
+        return _check_w4_groups(_awq(config, model), model)
     raise ValueError(f"quantization_config.quant_method {method!r} is not supported (supported: "
                      f"{'; '.join(SUPPORTED_CHECKPOINTS)})")
 
 
-def _check_compressed_tensors(config: dict, num_layers: int) -> None:
+def _gptq(config: dict) -> CheckpointQuantization:
+    where = "quantization_config (quant_method gptq)"
+    _check_bits(where, config.get("bits"))
+    # transformers' GPTQConfig writes checkpoint_format; GPTQModel's own config says format.
+    checkpoint_format = config.get("checkpoint_format", config.get("format", "gptq"))
+    if checkpoint_format not in ("gptq", "gptq_v2"):
+        raise ValueError(f"{where} has checkpoint_format {checkpoint_format!r}: allowed are gptq (v1, zero points "
+                         f"stored minus one) and gptq_v2")
+    if config.get("lm_head"):
+        raise ValueError(f"{where} quantizes lm_head (lm_head: true): only the decoder linears can be 4-bit")
+    if config.get("dynamic"):
+        raise ValueError(f"{where} sets some modules apart (dynamic): one setting for every decoder linear "
+                         f"is supported")
+    blocks = config.get("modules_in_block_to_quantize") or [DECODER_LINEARS]      # None: all of them
+    if unquantized := sorted(set(DECODER_LINEARS) - {name for block in blocks for name in block}):
+        raise ValueError(f"{where} leaves decoder linears unquantized ({unquantized[:3]}, by "
+                         f"modules_in_block_to_quantize): a model of 4-bit and high-precision decoder "
+                         f"linears is not supported")
+    return CheckpointQuantization(method="w4a16", quant_method="gptq", group_size=config.get("group_size", 128),
+                                  act_order=bool(config.get("desc_act", False)),
+                                  symmetric=bool(config.get("sym", True)), checkpoint_format=checkpoint_format)
+
+
+def _awq(config: dict, model: ModelConfig) -> CheckpointQuantization:
+    where = "quantization_config (quant_method awq)"
+    _check_bits(where, config.get("bits", config.get("w_bit")))     # transformers' name, AutoAWQ's
+    version = config.get("version", "gemm")
+    if str(version).lower() != "gemm":
+        raise ValueError(f"{where} has version {version!r}: only gemm is supported (gemv, gemv_fast, exllama, "
+                         f"ipex and marlin pack their words differently)")
+    skipped = config.get("modules_to_not_convert") or []
+    decoder = [f"model.layers.{i}.{linear}" for i in range(model.num_layers) for linear in DECODER_LINEARS]
+    if unquantized := [name for name in decoder if any(skip in name for skip in skipped)]:
+        raise ValueError(f"{where} leaves decoder linears unquantized ({unquantized[:3]}, by modules_to_not_convert): "
+                         f"a model of 4-bit and high-precision decoder linears is not supported")
+    return CheckpointQuantization(method="w4a16", quant_method="awq",
+                                  group_size=config.get("group_size", config.get("q_group_size", 128)),
+                                  symmetric=not config.get("zero_point", True))
+
+
+def _check_bits(where: str, bits) -> None:
+    if bits != 4:
+        raise ValueError(f"{where} has bits {bits!r}: only 4-bit weights are supported (allowed: bits 4)")
+
+
+def _check_w4_groups(quant: CheckpointQuantization, model: ModelConfig) -> CheckpointQuantization:
+    """Refuses a group size the W4A16 GEMM cannot take on this model's layers."""
+    inputs = {"hidden_size (q/k/v, gate/up)": model.hidden_size,
+              "attention width (o_proj)": model.num_heads * model.head_dim,
+              "intermediate_size (down_proj)": model.intermediate_size}
+
+    def fits(size: int) -> bool:
+        return all(k % size == 0 for k in inputs.values())
+
+    group_size = quant.group_size
+    if (group_size == -1 and fits(PACK)) or (isinstance(group_size, int) and group_size > 0
+                                             and group_size % W4_GROUP_MULTIPLE == 0 and fits(group_size)):
+        return quant
+    allowed = ([-1] if fits(PACK) else []) + [g for g in (32, 64, 128, 256) if fits(g)]
+    raise ValueError(f"quantization_config ({quant.quant_method}) has group_size {group_size!r}, which the W4A16 GEMM "
+                     f"cannot take on this model: a group size must be -1 (one group per row) or a multiple of "
+                     f"{W4_GROUP_MULTIPLE} that divides the input features of every decoder linear ("
+                     f"{', '.join(f'{k} in {name}' for name, k in inputs.items())}); allowed here: "
+                     f"{', '.join(map(str, allowed)) or 'none'}")
+
+
+def _compressed_tensors(config: dict, model: ModelConfig) -> CheckpointQuantization:
     """A compressed-tensors config this loader can read as it is: FP8 weights (per channel or
-    per tensor) on every decoder linear and on nothing else."""
+    per tensor, `float-quantized`) or 4-bit integer weights (`pack-quantized`), one scheme on
+    every decoder linear and on nothing else."""
     where = "quantization_config (compressed-tensors)"
-    if config.get("format") != "float-quantized":
-        raise ValueError(f"{where} has format {config.get('format')!r}: only float-quantized (FP8) is supported")
     for key, what in (("sparsity_config", "sparsity"), ("kv_cache_scheme", "a quantized KV cache"),
                       ("transform_config", "transforms")):
         if config.get(key):
             raise ValueError(f"{where} asks for {what} ({key}), which is not supported")
     groups = config.get("config_groups") or {}
+    formats = {group.get("format") or config.get("format") for group in groups.values()} or {config.get("format")}
+    if formats == {"float-quantized"}:
+        quant = _compressed_tensors_fp8(where, groups)
+    elif formats == {"pack-quantized"}:
+        quant = _check_w4_groups(_compressed_tensors_w4(where, groups), model)
+    else:
+        raise ValueError(f"{where} has format {', '.join(sorted(map(repr, formats)))}: supported are float-quantized "
+                         f"(FP8) and pack-quantized (4-bit integers), one of them for every decoder linear")
+    ignore = config.get("ignore") or []
+
+    def quantized(name: str) -> bool:
+        return any(_matches(name, g.get("targets") or []) for g in groups.values()) and not _matches(name, ignore)
+
+    decoder = [f"model.layers.{i}.{linear}" for i in range(model.num_layers) for linear in DECODER_LINEARS]
+    if unquantized := [n for n in decoder if not quantized(n)]:
+        raise ValueError(f"{where} leaves decoder linears unquantized ({unquantized[:3]}): a model of "
+                         f"quantized and high-precision decoder layers is not supported")
+    if quantized("lm_head"):
+        raise ValueError(f"{where} quantizes lm_head: only the decoder linears can be quantized "
+                         f"(put lm_head in ignore)")
+    return quant
+
+
+def _compressed_tensors_fp8(where: str, groups: dict) -> CheckpointQuantization:
     for group_name, group in groups.items():
         weights, inputs = group.get("weights") or {}, group.get("input_activations")
         if not (weights.get("num_bits") == 8 and weights.get("type") == "float"
@@ -268,17 +775,38 @@ def _check_compressed_tensors(config: dict, num_layers: int) -> None:
                              f"are 8-bit float activations (computed per token at run time) or none")
         if group.get("output_activations") is not None:
             raise ValueError(f"{where} group {group_name!r} quantizes output activations, which is not supported")
-    ignore = config.get("ignore") or []
+    return CheckpointQuantization(method="fp8", quant_method="compressed-tensors")
 
-    def quantized(name: str) -> bool:
-        return any(_matches(name, g.get("targets") or []) for g in groups.values()) and not _matches(name, ignore)
 
-    decoder = [f"model.layers.{i}.{linear}" for i in range(num_layers) for linear in DECODER_LINEARS]
-    if unquantized := [n for n in decoder if not quantized(n)]:
-        raise ValueError(f"{where} leaves decoder linears unquantized ({unquantized[:3]}): a model of "
-                         f"FP8 and high-precision decoder layers is not supported")
-    if quantized("lm_head"):
-        raise ValueError(f"{where} quantizes lm_head: only the decoder linears can be FP8 (put lm_head in ignore)")
+# The settings of a pack-quantized group's weights that must agree over the groups: the model
+# packs q/k/v and gate/up into one layer each.
+_W4_SETTINGS = ("num_bits", "type", "strategy", "group_size", "symmetric", "actorder")
+
+
+def _compressed_tensors_w4(where: str, groups: dict) -> CheckpointQuantization:
+    first = None
+    for group_name, group in groups.items():
+        weights = group.get("weights") or {}
+        if not (weights.get("num_bits") == 4 and weights.get("type") == "int"
+                and weights.get("strategy") in ("group", "channel") and not weights.get("dynamic")):
+            raise ValueError(f"{where} group {group_name!r} has weights {weights}: supported are 4-bit integer "
+                             f"weights per group or per channel (the W4A16 and W4A16_ASYM schemes)")
+        if group.get("input_activations") is not None or group.get("output_activations") is not None:
+            raise ValueError(f"{where} group {group_name!r} quantizes activations too: only weight-only 4-bit "
+                             f"(W4A16) is supported with pack-quantized weights")
+        settings = {key: weights.get(key) for key in _W4_SETTINGS}
+        first = first or settings
+        if settings != first:
+            raise ValueError(f"{where} groups differ ({first} and {settings} in {group_name!r}): one setting for "
+                             f"every decoder linear is supported")
+    if first is None:
+        raise ValueError(f"{where} has no config_groups: nothing says how the decoder linears are quantized")
+    return CheckpointQuantization(
+        method="w4a16", quant_method="compressed-tensors",
+        group_size=first["group_size"] if first["strategy"] == "group" else -1,
+        # "group" (alias "dynamic") stores weight_g_idx; "weight" (alias "static") only
+        # changes the calibration order and stores the plain grouping.
+        act_order=first["actorder"] in ("group", "dynamic"), symmetric=first["symmetric"] is not False)
 
 
 def _matches(name: str, patterns: list[str]) -> bool:

@@ -26,6 +26,13 @@ integer zero point z and a scale s per group of `group_size` input features (the
   same sequential nibbles; the signed zero point stored + 8), else z = 8;
   `weight_g_idx [K]` with `actorder: "group"`, as GPTQ's g_idx.
 
+* GGUF (ggml's `block_q4_0` and `block_q8_0`; llama.cpp `ggml/src/ggml-common.h`): each row
+  of `W` (N rows of K) is K/32 blocks of 32 input features, a block being its float16 scale
+  d (2 bytes, little-endian) then its values. Q4_0: 16 bytes, the low nibble of byte j
+  holding feature j and the high nibble feature j + 16, `w = (q - 8) * d`: the canonical
+  layout with group 32 and zero point 8. Q8_0: 32 signed bytes, `w = q * d`, which the
+  canonical layout holds as two 4-bit weights (`from_gguf_q8_0`).
+
 Activation order (an unsorted g_idx) becomes the canonical `perm`: the rows are sorted by
 group, which needs every group to hold exactly `group_size` features (GPTQ and
 llm-compressor form them so).
@@ -36,6 +43,7 @@ import torch
 from kernels.w4a16 import PACK, W4Weight, unpack_int4
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds column AWQ_ORDER[i]
+GGUF_BLOCK = 32  # input features per GGUF Q4_0 / Q8_0 block
 
 
 def _unpack_columns(packed: torch.Tensor) -> torch.Tensor:
@@ -123,3 +131,38 @@ def from_compressed_tensors(weight_packed: torch.Tensor, weight_scale: torch.Ten
         raise ValueError(f"weight_zero_point is {weight_zero_point.dtype}, want packed int32")
     values, perm = _sort_groups(values, weight_g_idx, group_size)
     return W4Weight.from_values(values, weight_scale.t(), zeros, group_size, perm)
+
+
+def _gguf_blocks(blocks: torch.Tensor, value_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`uint8 [N, K / 32 * (2 + value_bytes)]` -> (scales float16 `[G, N]`, value bytes
+    `uint8 [N, G, value_bytes]`)."""
+    n, row_bytes = blocks.shape
+    if row_bytes % (2 + value_bytes):
+        raise ValueError(f"rows of {row_bytes} bytes are not whole blocks of {2 + value_bytes}")
+    blocks = blocks.contiguous().view(n, row_bytes // (2 + value_bytes), 2 + value_bytes)
+    scales = blocks[:, :, :2].contiguous().view(torch.float16).squeeze(-1)     # little-endian float16
+    return scales.t(), blocks[:, :, 2:]
+
+
+def from_gguf_q4_0(blocks: torch.Tensor) -> W4Weight:
+    """A GGUF Q4_0 tensor's rows (`uint8 [N, K / 32 * 18]`; layout in the module docstring)."""
+    scales, qs = _gguf_blocks(blocks, GGUF_BLOCK // 2)
+    n, groups, _ = qs.shape
+    values = torch.cat([qs & 0xF, qs >> 4], dim=-1).reshape(n, groups * GGUF_BLOCK)    # [N, K]
+    zeros = torch.full((groups, n), 8, dtype=torch.uint8, device=blocks.device)
+    return W4Weight.from_values(values.t(), scales, zeros, GGUF_BLOCK)
+
+
+def from_gguf_q8_0(blocks: torch.Tensor) -> tuple[W4Weight, W4Weight]:
+    """A GGUF Q8_0 tensor's rows (`uint8 [N, K / 32 * 34]`) as two canonical weights whose
+    sum is it: each signed byte q is 16 h + l with l = q & 15 (0..15) and h = q >> 4
+    (-8..7), so `q * d = (h + 8 - 8) * 16 d + (l - 0) * d`: a high weight of values h + 8,
+    zero point 8 and scales 16 d (exact: a power of two), and a low one of values l, zero
+    point 0 and scales d."""
+    scales, qs = _gguf_blocks(blocks, GGUF_BLOCK)
+    n, groups, _ = qs.shape
+    q = qs.view(torch.int8).reshape(n, groups * GGUF_BLOCK).to(torch.int32)           # [N, K]
+    full = torch.full((groups, n), 8, dtype=torch.uint8, device=blocks.device)
+    high = W4Weight.from_values((q >> 4).t() + 8, scales * 16, full, GGUF_BLOCK)
+    low = W4Weight.from_values((q & 0xF).t(), scales, torch.zeros_like(full), GGUF_BLOCK)
+    return high, low
