@@ -65,7 +65,9 @@ W4_ON_LOAD_GROUP_SIZE = 128     # random weights rounded to 4 bits on load (dumm
 
 class Fp8Linear(nn.Module):
     """`x @ (weight * weight_scale[:, None]).T + bias` with `weight` float8_e4m3fn `[out, in]`
-    and one fp32 scale per output channel; `x` is quantized per token at run time (W8A8)."""
+    and one fp32 scale per output channel. On a GPU, steps of up to 32 tokens run W8A16 (`x` as
+    it is, the weight read once: decode is bound by weight bytes) and larger ones W8A8 (`x`
+    quantized per token); see `kernels.fp8.fp8_linear`."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, device: torch.device | str | None = None):
         super().__init__()
