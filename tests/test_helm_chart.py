@@ -578,3 +578,10 @@ def test_a_worker_stops_within_the_charts_grace_period(defaults):
         code = worker.process.wait(timeout=grace)
         elapsed = time.monotonic() - signalled
     assert code == 0 and elapsed < grace, f"exit {code} after {elapsed:.1f} s (grace {grace} s)"
+
+
+def test_the_schema_allows_exactly_the_engines_quantization_methods():
+    from worker.config import QUANTIZATION_METHODS
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    engine = schema["properties"]["worker"]["properties"]["engine"]["properties"]
+    assert engine["quantization"]["enum"] == list(QUANTIZATION_METHODS)
