@@ -279,11 +279,13 @@ class GenerateRun:
                              output_tokens=len(choice.output))
 
     def _logprobs(self, token_id: int, entry: worker_pb2.TokenLogprobs) -> pb.TokenLogprobs:
-        text = self._tokenizer.token_text if self._tokenizer else (lambda _: "")
-        return pb.TokenLogprobs(
-            sampled=pb.Logprob(token_id=token_id, logprob=entry.logprob, text=text(token_id)),
-            top=[pb.Logprob(token_id=t, logprob=lp, text=text(t))
-                 for t, lp in zip(entry.top_token_ids, entry.top_logprobs)])
+        def logprob(token: int, value: float) -> pb.Logprob:
+            if self._tokenizer is None:
+                return pb.Logprob(token_id=token, logprob=value)
+            return pb.Logprob(token_id=token, logprob=value, text=self._tokenizer.token_text(token),
+                              token_bytes=self._tokenizer.token_bytes(token))
+        return pb.TokenLogprobs(sampled=logprob(token_id, entry.logprob),
+                                top=[logprob(t, lp) for t, lp in zip(entry.top_token_ids, entry.top_logprobs)])
 
     def _response(self, deltas: dict[int, pb.ChoiceDelta]) -> pb.GenerateResponse:
         response = pb.GenerateResponse(request_id=self.request.request_id, choices=[

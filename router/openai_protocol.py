@@ -402,15 +402,29 @@ def _completion_logprobs(entries, text_offset: int) -> dict:
         tokens.append(entry.sampled.text)
         token_logprobs.append(entry.sampled.logprob)
         # OpenAI lists the sampled token among the top ones even when it ranks lower.
-        top.append({t.text: t.logprob for t in entry.top} | {entry.sampled.text: entry.sampled.logprob})
+        top.append(_top_by_text([*entry.top, entry.sampled]))
         offsets.append(text_offset)
         text_offset += len(entry.sampled.text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
+def _top_by_text(logprobs) -> dict[str, float]:
+    """Top logprobs keyed by text, as the legacy completions API has them: two tokens can
+    decode to the same text (two parts of multi-byte characters are both U+FFFD), so a later
+    one keeps its entry under its bytes written out ("\\xe2\\x80"), then under its id."""
+    out: dict[str, float] = {}
+    for lp in logprobs:
+        for key in (lp.text, "".join(f"\\x{b:02x}" for b in lp.token_bytes), f"<token {lp.token_id}>"):
+            if key and out.get(key, lp.logprob) == lp.logprob:
+                out[key] = lp.logprob
+                break
+    return out
+
+
 def _chat_logprobs(entries) -> dict:
     def one(lp):
-        return {"token": lp.text, "logprob": lp.logprob, "bytes": list(lp.text.encode())}
+        return {"token": lp.text, "logprob": lp.logprob,
+                "bytes": list(lp.token_bytes or lp.text.encode())}
     return {"content": [one(e.sampled) | {"top_logprobs": [one(t) for t in e.top]} for e in entries]}
 
 

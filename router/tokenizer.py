@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Sequence
 
 from tokenizers import Tokenizer
@@ -31,6 +32,7 @@ class RouterTokenizer:
     def __init__(self, hf_tokenizer) -> None:
         self.hf = hf_tokenizer  # a transformers fast tokenizer; the detokenizer reads it too
         self._token_texts: dict[int, str] = {}
+        self._byte_level = _decodes_byte_level(json.loads(hf_tokenizer.backend_tokenizer.to_str()).get("decoder"))
 
     @classmethod
     def from_info(cls, info: worker_pb2.InfoResponse) -> RouterTokenizer:
@@ -83,6 +85,42 @@ class RouterTokenizer:
             text = self._token_texts[token_id] = self.hf.backend_tokenizer.decode(
                 [token_id], skip_special_tokens=False)
         return text
+
+
+    def token_piece(self, token_id: int) -> str:
+        """The token's string in the vocabulary ("Ġlove", "<0xE2>"), or "" for an unknown id."""
+        return self.hf.backend_tokenizer.id_to_token(token_id) or ""
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's own bytes, also when they are part of a UTF-8 character (which decoding
+        a token on its own turns into U+FFFD): a byte-level token's characters mapped back to
+        their bytes, a byte-fallback token (`<0xE2>`) its byte, any other its decoded text."""
+        piece = self.token_piece(token_id)
+        if self._byte_level and piece and all(c in _BYTE_OF_CHAR for c in piece):
+            return bytes(_BYTE_OF_CHAR[c] for c in piece)
+        if match := _BYTE_FALLBACK.fullmatch(piece):
+            return bytes([int(match.group(1), 16)])
+        return self.token_text(token_id).encode()
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """The characters byte-level BPE (GPT-2's) writes bytes as: printable ones stand for
+    themselves, the other 68 bytes are shifted to code points from 256 up, in order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(shifted)}
+
+
+_BYTE_OF_CHAR = _byte_level_alphabet()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _decodes_byte_level(decoder: dict | None) -> bool:
+    """Whether the tokenizer's decoder (tokenizer.json's) is, or holds, a ByteLevel one."""
+    if not decoder:
+        return False
+    return decoder.get("type") == "ByteLevel" or any(
+        _decodes_byte_level(d) for d in decoder.get("decoders") or ())
 
 
 def _token_content(value: str | dict) -> str:

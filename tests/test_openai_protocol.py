@@ -290,3 +290,25 @@ def test_logit_bias_and_allowed_token_ids_become_the_grpc_fields():
 def test_a_bad_logit_bias_is_400_naming_it(served, bias, param):
     error = refusal(completion(logit_bias=bias), served)
     assert error["status"] == 400 and error["param"] == param, error
+
+
+# ------------------------------------------------------------------ logprobs
+
+def logprob(token_id: int, text: str, value: float, token_bytes: bytes = b"") -> pb.Logprob:
+    return pb.Logprob(token_id=token_id, text=text, logprob=value, token_bytes=token_bytes or text.encode())
+
+
+def test_completion_top_logprobs_keep_every_token_when_two_decode_to_the_same_text():
+    sampled = logprob(7, "\ufffd", -0.5, b"\xf0\x9f")
+    entry = pb.TokenLogprobs(sampled=sampled, top=[sampled, logprob(8, "\ufffd", -1.5, b"\xf0\x9f\xa6"),
+                                                   logprob(9, " a", -2.0)])
+    response = pb.GenerateResponse(choices=[pb.ChoiceDelta(index=0, text="", logprobs=[entry])])
+    [choice] = chunk_choices(response, chat=False, want_logprobs=True, offsets=[0])
+    assert choice["logprobs"]["top_logprobs"] == [{"\ufffd": -0.5, "\\xf0\\x9f\\xa6": -1.5, " a": -2.0}]
+
+
+def test_chat_logprobs_carry_the_tokens_real_bytes():
+    entry = pb.TokenLogprobs(sampled=logprob(7, "\ufffd", -0.5, b"\xf0\x9f"), top=[])
+    response = pb.GenerateResponse(choices=[pb.ChoiceDelta(index=0, text="", logprobs=[entry])])
+    [choice] = chunk_choices(response, chat=True, want_logprobs=True, offsets=[0])
+    assert choice["logprobs"]["content"][0]["bytes"] == [0xF0, 0x9F]
