@@ -381,6 +381,7 @@ def chat_messages(body: dict) -> pb.ChatMessages:
         content = m.get("content")
         if content is None and m["role"] == "assistant":   # an assistant turn may be empty
             content = ""
+        calls = _history_tool_calls(m.get("tool_calls"), f"messages[{i}].tool_calls")
         if isinstance(content, list):          # content parts: only text is understood
             if any(not isinstance(part, dict) or part.get("type") != "text"
                    or not isinstance(part.get("text"), str) for part in content):
@@ -390,8 +391,30 @@ def chat_messages(body: dict) -> pb.ChatMessages:
         if not isinstance(content, str):
             raise HttpError(400, f"{name} must be a string or an array of text parts", name)
         _check_text(content, name)
-        chat.messages.add(role=m["role"], content=content)
+        call_id = m.get("tool_call_id") or ""
+        if not isinstance(call_id, str):
+            raise HttpError(400, f"messages[{i}].tool_call_id must be a string", f"messages[{i}].tool_call_id")
+        chat.messages.add(role=m["role"], content=content, tool_calls=calls, tool_call_id=call_id)
     return chat
+
+
+def _history_tool_calls(calls, name: str) -> list[pb.ToolCall]:
+    """An assistant turn's tool_calls: [{"id", "type": "function", "function": {"name",
+    "arguments"}}], arguments as JSON text (as OpenAI sends them)."""
+    if calls is None:
+        return []
+    if not isinstance(calls, list):
+        raise HttpError(400, f"{name} must be an array", name)
+    out = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not (isinstance(function, dict) and isinstance(function.get("name"), str)
+                and isinstance(function.get("arguments", ""), str) and isinstance(call.get("id", ""), str)):
+            raise HttpError(400, f"{name}[{j}] must be {{\"id\": string, \"type\": \"function\", "
+                            "\"function\": {\"name\": string, \"arguments\": JSON text}}", f"{name}[{j}]")
+        out.append(pb.ToolCall(id=call.get("id", ""), name=function["name"],
+                               arguments=function.get("arguments", "")))
+    return out
 
 
 # ------------------------------------------------------------------ responses

@@ -6,6 +6,7 @@ client can fix its request without reading the server's logs.
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass
 
@@ -208,6 +209,25 @@ def _context_exceeded(request: pb.GenerateRequest, prompt_tokens: int, max_token
             f"reduce the length of the {prompt} or completion.")
 
 
+def _template_message(message: pb.ChatMessage) -> dict:
+    """A message as chat templates read it (transformers' convention): tool calls with their
+    arguments as a mapping where they are JSON (templates iterate or `tojson` them)."""
+    out = {"role": message.role, "content": message.content}
+    if message.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+            "name": c.name, "arguments": _json_or_text(c.arguments)}} for c in message.tool_calls]
+    if message.tool_call_id:
+        out["tool_call_id"] = message.tool_call_id
+    return out
+
+
+def _json_or_text(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
 def _chat_token_ids(chat: pb.ChatMessages, tokenizer: RouterTokenizer) -> list[int]:
     if not chat.messages:
         raise invalid_argument("chat.messages is empty: give at least one message", "chat.messages")
@@ -219,7 +239,6 @@ def _chat_token_ids(chat: pb.ChatMessages, tokenizer: RouterTokenizer) -> list[i
     add_generation_prompt = (chat.add_generation_prompt
                              if chat.HasField("add_generation_prompt") else True)
     try:
-        return tokenizer.encode_chat([{"role": m.role, "content": m.content}
-                                      for m in chat.messages], add_generation_prompt)
+        return tokenizer.encode_chat([_template_message(m) for m in chat.messages], add_generation_prompt)
     except ChatTemplateError as error:
         raise invalid_argument(f"chat: {error}", "chat") from None

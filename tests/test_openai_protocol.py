@@ -312,3 +312,21 @@ def test_chat_logprobs_carry_the_tokens_real_bytes():
     response = pb.GenerateResponse(choices=[pb.ChoiceDelta(index=0, text="", logprobs=[entry])])
     [choice] = chunk_choices(response, chat=True, want_logprobs=True, offsets=[0])
     assert choice["logprobs"]["content"][0]["bytes"] == [0xF0, 0x9F]
+
+
+def test_an_assistant_turns_tool_calls_and_a_tool_turns_call_id_are_kept():
+    body = {"messages": [{"role": "user", "content": "Weather?"},
+                         {"role": "assistant", "content": None, "tool_calls": [
+                             {"id": "call_1", "type": "function",
+                              "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+                         {"role": "tool", "tool_call_id": "call_1", "content": "12 C"}]}
+    [request] = generate_requests(body, chat=True, request_id="r")
+    assistant, tool = request.chat.messages[1], request.chat.messages[2]
+    assert [(c.id, c.name, c.arguments) for c in assistant.tool_calls] == [("call_1", "get_weather", '{"city": "Oslo"}')]
+    assert tool.tool_call_id == "call_1" and tool.content == "12 C"
+
+
+def test_a_malformed_tool_call_in_the_history_is_400_naming_it(served):
+    body = {"model": MODEL, "messages": [{"role": "assistant", "content": "", "tool_calls": [{"function": 5}]}]}
+    error = refusal(body, served, chat=True)
+    assert error["status"] == 400 and error["param"] == "messages[0].tool_calls[0]"

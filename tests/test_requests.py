@@ -93,3 +93,27 @@ def test_an_explicit_max_tokens_is_reserved_whole(tokenizer):
 def test_a_chat_without_max_tokens_accepts_min_tokens_over_16(tokenizer):
     prepared = prepare_generate(chat(min_tokens=20), served(tokenizer))
     assert prepared.params.min_tokens == 20
+
+
+# Chat history with tool calls
+
+TOOL_TEMPLATE = ("{% for m in messages %}{{ m.role }}: {{ m.content }}"
+                 "{% for c in m.tool_calls or [] %}[call {{ c.id }} {{ c.function.name }} "
+                 "{{ c.function.arguments.city }}]{% endfor %}"
+                 "{% if m.tool_call_id %}(answers {{ m.tool_call_id }}){% endif %}\n{% endfor %}")
+
+
+def test_tool_calls_and_tool_turns_of_the_history_reach_the_chat_template(smollm_tokenizer):
+    from transformers import PreTrainedTokenizerFast
+    templated = PreTrainedTokenizerFast(tokenizer_object=smollm_tokenizer.backend_tokenizer,
+                                        chat_template=TOOL_TEMPLATE)
+    model = served(templated, max_model_len=512)
+    history = pb.ChatMessages(messages=[
+        pb.ChatMessage(role="user", content="Weather in Oslo?"),
+        pb.ChatMessage(role="assistant", tool_calls=[pb.ToolCall(id="call_1", name="get_weather",
+                                                                 arguments='{"city": "Oslo"}')]),
+        pb.ChatMessage(role="tool", content="12 C", tool_call_id="call_1")], add_generation_prompt=False)
+    prepared = prepare_generate(pb.GenerateRequest(chat=history, params=pb.SamplingParameters(max_tokens=4)), model)
+    # (Chat templates run with trim_blocks: the newline after each block tag goes.)
+    assert templated.decode(prepared.prompt_token_ids) == (
+        "user: Weather in Oslo?assistant: [call call_1 get_weather Oslo]tool: 12 C(answers call_1)")
