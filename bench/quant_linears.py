@@ -198,21 +198,23 @@ def _compile(job) -> str:
     m = 1 if bm == 1 else 3
     try:
         if kind == "fp8":
-            from kernels.triton_fp8 import Fp8Config, fp8_weight_only_triton
+            from kernels.triton_fp8 import fp8_weight_only_triton
+            from kernels.triton_split_k import TileConfig
             w = torch.randn(256, 2048, device="cuda").to(torch.float8_e4m3fn)
             s = torch.ones(256, device="cuda")
             x = torch.randn(m, 2048, device="cuda", dtype=torch.bfloat16)
             for split in (1, 2):
                 fp8_weight_only_triton(x, w, s, None, x.dtype,
-                                       Fp8Config(bm, bn, bk, split, warps, stages, mode))
+                                       TileConfig(bm, bn, bk, split, warps, stages, mode))
         else:
-            from kernels.triton_w4a16 import W4A16Config, w4a16_matmul_triton
+            from kernels.triton_split_k import TileConfig
+            from kernels.triton_w4a16 import w4a16_matmul_triton
             g = torch.Generator().manual_seed(0)
             w = W4Weight.from_values(torch.randint(0, 16, (1024, 512), generator=g),
                                      torch.rand(8, 512).bfloat16(), torch.full((8, 512), 8), 128).to("cuda")
             x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
             for split in (1, 2):
-                w4a16_matmul_triton(x, w, W4A16Config(bm, bn, bk, split, warps, stages, mode))
+                w4a16_matmul_triton(x, w, TileConfig(bm, bn, bk, split, warps, stages, mode))
         torch.cuda.synchronize()
         return ""
     except Exception as e:  # noqa: BLE001 - reported, and the config is skipped
@@ -230,8 +232,7 @@ def _w4_with(cfg, x, w):
 
 
 def sweep(args) -> None:
-    from kernels.triton_fp8 import Fp8Config
-    from kernels.triton_w4a16 import W4A16Config
+    from kernels.triton_split_k import TileConfig
 
     def wanted(kind, c):
         return kind in args.sweep_kinds and (not args.sweep_modes or c[0] in args.sweep_modes)
@@ -271,11 +272,11 @@ def sweep(args) -> None:
                         if split > 1 and tiles // split < 2:
                             continue
                         if kind == "fp8":
-                            cfg = Fp8Config(bm, c[2], c[3], split, c[4], c[5], mode)
+                            cfg = TileConfig(bm, c[2], c[3], split, c[4], c[5], mode)
                             run = partial(_fp8_with, cfg)
                             ws = fp8s
                         else:
-                            cfg = W4A16Config(bm, c[2], c[3], split, c[4], c[5], mode)
+                            cfg = TileConfig(bm, c[2], c[3], split, c[4], c[5], mode)
                             run = partial(_w4_with, cfg)
                             ws = w4s
                         err = rel_error(run(x, ws[0]), ref)

@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_split_k import num_sms
+
 
 @dataclass(frozen=True)
 class AttentionConfig:
@@ -250,23 +252,11 @@ def _prefill_kernel(out, q, k_cache, v_cache, block_tables, seq_lens, query_star
              mask=row_ok[:, None])
 
 
-_num_sms_cache: dict[int, int] = {}
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 8  # the CPU interpreter: enough for tests to exercise split decodes
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _num_sms_cache:
-        _num_sms_cache[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _num_sms_cache[index]
-
-
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int,
                       device: torch.device) -> int:
     """How many pieces each decode's context is cut into; a function of python ints only."""
     programs = num_seqs * num_kv_heads
-    wanted = triton.cdiv(_DECODE_PROGRAMS_PER_SM * _num_sms(device), max(programs, 1))
+    wanted = triton.cdiv(_DECODE_PROGRAMS_PER_SM * num_sms(device), max(programs, 1))
     return max(1, min(wanted, triton.cdiv(max_seq_len, _MIN_TOKENS_PER_SPLIT)))
 
 

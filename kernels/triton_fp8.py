@@ -16,7 +16,7 @@
   (MODE "dot", x @ W^T; "dot_t", W @ x^T, for larger tiles). A skinny product is bound by
   the weight's bytes, so narrow column tiles and, where the columns give too few programs,
   K split into ranges keep enough loads in flight; the split partial sums are added by the
-  last program of each output tile (`kernels.triton_w4a16.split_k_reduce`: fixed order, no
+  last program of each output tile (`kernels.triton_split_k.split_k_reduce`: fixed order, no
   second launch). The constexprs are the mode and tile shapes (`pick_fp8_config`: classes
   of M 1, 2..16, 17..32, larger), `HAS_BIAS`, `SPLIT` and the dot precision; M and the K
   range per split are run-time values, so a new batch size compiles nothing new within its
@@ -24,13 +24,11 @@
   been warmed up outside the capture).
 """
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_w4a16 import num_sms, pick_split, split_k_counters, split_k_reduce
+from kernels.triton_split_k import TileConfig, num_sms, pick_split, split_k_counters, split_k_reduce
 
 
 @triton.jit
@@ -68,19 +66,6 @@ def per_token_quant_triton(x: torch.Tensor, dtype: torch.dtype, fp8_max: float, 
 
 
 # ---------------------------------------------------------------- W8A16: small-M linear
-
-@dataclass(frozen=True)
-class Fp8Config:
-    """Tile shapes and launch parameters of one `fp8_weight_only_triton` call."""
-
-    block_m: int
-    block_n: int
-    block_k: int
-    split_k: int = 1
-    num_warps: int = 4
-    num_stages: int = 4
-    mode: str = "dot"        # "dot", "dot_t" or "fma" (block_m 1): see _fp8_weight_only_kernel
-
 
 @triton.jit(do_not_specialize=["M", "tiles_per_split"])
 def _fp8_weight_only_kernel(out, partial, counters, x, w, w_scale, bias, M, N, K,
@@ -153,7 +138,7 @@ def _fp8_weight_only_kernel(out, partial, counters, x, w, w_scale, bias, M, N, K
         tl.store(out_ptrs, y.to(out.dtype.element_ty), mask=mask)
 
 
-def pick_fp8_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> Fp8Config:
+def pick_fp8_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> TileConfig:
     """Tiles for an `[m, K] @ [N, K].T` weight-only product; a function of python ints only.
 
     Measured on one H200 for the Llama-3.1-8B decoder shapes, bf16 (`python
@@ -179,12 +164,12 @@ def pick_fp8_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.de
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
     programs = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     split_k = pick_split(triton.cdiv(k, block_k), programs, device, per_sm)
-    return Fp8Config(block_m, block_n, block_k, split_k, warps, stages, mode)
+    return TileConfig(block_m, block_n, block_k, split_k, warps, stages, mode)
 
 
 def fp8_weight_only_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                            bias: torch.Tensor | None, out_dtype: torch.dtype,
-                           config: Fp8Config | None = None) -> torch.Tensor:
+                           config: TileConfig | None = None) -> torch.Tensor:
     """`x [M, K] @ (weight [N, K] * weight_scale [N, 1]).T + bias` in `out_dtype`, `x`
     unquantized (bfloat16, float16 or float32; columns contiguous), `weight` float8
     row-major. `config` overrides `pick_fp8_config`."""

@@ -39,63 +39,15 @@ Tuned on one H200 (132 SMs) for the Llama-3.1-8B decoder shapes, group 128, bf16
 bench/quant_linears.py --sweep`; docs/BENCHMARKS.md).
 """
 
-import math
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
+from .triton_split_k import TileConfig, pick_split, split_k_counters, split_k_reduce
 from .w4a16 import W4Weight
 
 _DECODE_MAX_M = 16
 _MID_MAX_M = 64
-# Splitting K: keep at least this many K-tiles per split (below that the partial sums cost
-# more than the parallelism brings), and at most this many splits.
-_MIN_TILES_PER_SPLIT = 4
-_MAX_SPLIT = 16
-_COUNTERS = 1 << 16          # output tiles per launch a counter buffer serves
-
-
-@dataclass(frozen=True)
-class W4A16Config:
-    """Tile shapes and launch parameters of one call (see `pick_config`)."""
-
-    block_m: int
-    block_n: int
-    block_k: int
-    split_k: int = 1
-    num_warps: int = 4
-    num_stages: int = 3
-    mode: str = "dot"        # "dot", or "fma" (block_m 1): see _w4a16_kernel
-
-
-@triton.jit
-def split_k_reduce(acc, partial, counters, tile_id, pid_k, splits, offs_m, offs_n, mask, M, N):
-    """Stores this program's `acc` [BLOCK_M, BLOCK_N] as partial sum `pid_k` of `splits`;
-    returns (the sum over all splits, True) in the last program of the output tile to get
-    here and (zeros, False) in the others. The sum is taken in split order 0, 1, ..., so it
-    does not depend on which program came last. Shared with `kernels.triton_fp8`.
-
-    `partial` is `[splits, M, N]` float32; `counters[tile_id]` must be 0 on entry, and is 0
-    again once every program of the tile is done."""
-    plane = M.to(tl.int64) * N
-    rows = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
-    tl.store(partial + pid_k * plane + rows, acc, mask=mask)
-    # Every thread's partial is written before the counter moves (the barrier orders the
-    # other threads' stores before the releasing atomic; release is cumulative).
-    tl.debug_barrier()
-    arrived = tl.atomic_add(counters + tile_id, 1, sem="acq_rel", scope="gpu")
-    last = arrived == splits - 1
-    total = tl.zeros_like(acc)
-    if last:
-        ptrs = partial + rows
-        for _ in range(0, splits):
-            # .cg: from L2, where the other programs' stores are, never a stale L1 line.
-            total += tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
-            ptrs += plane
-        tl.atomic_xchg(counters + tile_id, 0)
-    return total, last
 
 
 @triton.jit
@@ -215,47 +167,6 @@ def _w4a16_kernel(out, partial, counters, x, qweight, scales, zeros, perm, M, N,
         tl.store(out_ptrs, acc.to(out.dtype.element_ty), mask=mask)
 
 
-_num_sms_cache: dict[int, int] = {}
-_counter_cache: dict[torch.device, torch.Tensor] = {}
-
-
-def num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 8  # the CPU interpreter: few enough that the tests' small matrices split K
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _num_sms_cache:
-        _num_sms_cache[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _num_sms_cache[index]
-
-
-def split_k_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """The zeroed int32 counters `split_k_reduce` needs for `tiles` output tiles.
-
-    One buffer per device, zeroed once when first asked for outside a CUDA-graph capture and
-    left at zero by every launch that uses it: launches that share it must not run at the
-    same time on different streams (the engine runs its steps on one stream at a time, eagerly
-    or replayed). Asked for first inside a capture, a buffer of this launch's own is made
-    instead and its zeroing is captured with it, so the graph stays right whatever runs
-    before its replays (a buffer cached there would be zeroed only when that graph replays)."""
-    if tiles > _COUNTERS:
-        raise ValueError(f"{tiles} output tiles in one split-K launch; at most {_COUNTERS}")
-    buf = _counter_cache.get(device)
-    if buf is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return torch.zeros(tiles, dtype=torch.int32, device=device)
-        buf = _counter_cache[device] = torch.zeros(_COUNTERS, dtype=torch.int32, device=device)
-    return buf
-
-
-def pick_split(tiles_k: int, programs: int, device: torch.device, per_sm: float,
-               min_tiles: int = _MIN_TILES_PER_SPLIT, max_split: int = _MAX_SPLIT) -> int:
-    """How many K ranges: enough for `per_sm` programs per SM (several co-reside on an SM, each
-    one's loads adding to the bytes in flight), each range at least `min_tiles` K-tiles long,
-    and at most `max_split` (the partial sums cost more beyond)."""
-    wanted = math.ceil(per_sm * num_sms(device) / programs)
-    return max(1, min(wanted, tiles_k // min_tiles, max_split))
-
-
 def _block_k(w: W4Weight, cap: int) -> int:
     """The largest power of two up to `cap` that keeps K-tiles within one group."""
     if w.num_groups == 1:
@@ -266,7 +177,7 @@ def _block_k(w: W4Weight, cap: int) -> int:
     return min(cap, lowest_bit)
 
 
-def pick_config(m: int, w: W4Weight, dtype: torch.dtype, device: torch.device) -> W4A16Config:
+def pick_config(m: int, w: W4Weight, dtype: torch.dtype, device: torch.device) -> TileConfig:
     """Tiles for an `[m, K] @ [K, N]` product; a function of python ints only.
 
     Measured on one H200 for the Llama-3.1-8B decoder shapes, group 128, bf16
@@ -289,11 +200,11 @@ def pick_config(m: int, w: W4Weight, dtype: torch.dtype, device: torch.device) -
         block_k = _block_k(w, 64 if wide else 128)
     programs = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     split_k = pick_split(triton.cdiv(k, block_k), programs, device, per_sm)
-    return W4A16Config(block_m, block_n, block_k, split_k, warps, stages, mode)
+    return TileConfig(block_m, block_n, block_k, split_k, warps, stages, mode)
 
 
 def w4a16_matmul_triton(x: torch.Tensor, w: W4Weight,
-                        config: W4A16Config | None = None) -> torch.Tensor:
+                        config: TileConfig | None = None) -> torch.Tensor:
     """Same arguments and result as `w4a16_matmul_ref`; `config` overrides `pick_config`."""
     k, n = w.in_features, w.out_features
     assert x.shape[-1] == k, f"x has {x.shape[-1]} features, the weight {k}"

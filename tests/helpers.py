@@ -1,5 +1,10 @@
 """Small helpers shared by the tests."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import torch
 
 from common.sampling_params import SamplingParams
@@ -71,23 +76,29 @@ def tiny_hf_model(tmp_path, kind: str):
     return model.eval()
 
 
-def save_tiny_llama(path, *, vocab_size: int = 512, hidden_size: int = 256, layers: int = 4,
-                    max_position_embeddings: int = 1024):
-    """A small random Llama with grouped KV heads and random norms (so a wrong layout cannot
-    hide behind ones), saved as a Hugging Face directory at `path`; returns the transformers
-    model. Seeded: the same arguments give the same weights."""
+def tiny_llama(*, vocab_size: int = 512, hidden_size: int = 256, layers: int = 4,
+               max_position_embeddings: int = 1024, num_heads: int | None = None):
+    """A small random Llama (transformers) with grouped KV heads (2) and random norms, so a
+    wrong layout cannot hide behind ones; `num_heads` defaults to 8 from hidden 128 up, else 4.
+    Seeded: the same arguments give the same weights."""
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(
         vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-        num_hidden_layers=layers, num_attention_heads=8 if hidden_size >= 128 else 4,
+        num_hidden_layers=layers, num_attention_heads=num_heads or (8 if hidden_size >= 128 else 4),
         num_key_value_heads=2, max_position_embeddings=max_position_embeddings))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.normal_(1.0, 0.1)
-    model.save_pretrained(path)
     return model.eval()
+
+
+def save_tiny_llama(path, **shape):
+    """`tiny_llama(**shape)` saved as a Hugging Face directory at `path`; returns the model."""
+    model = tiny_llama(**shape)
+    model.save_pretrained(path)
+    return model
 
 
 def save_byte_level_tokenizer(path, vocab_size: int = 512) -> None:
@@ -103,3 +114,18 @@ def save_byte_level_tokenizer(path, vocab_size: int = 512) -> None:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator([LONG_STORY, *PROMPTS], trainer)
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|end|>").save_pretrained(path)
+
+
+def run_interpreter_tests(test_file: str) -> None:
+    """Runs `test_file`'s interp_ tests in a subprocess with TRITON_INTERPRET=1 (which must be
+    set before triton is first imported), so Triton kernels run on the CPU; fails with their
+    output when any fails."""
+    repo = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(repo), str(repo / "tests"),
+                                                        os.environ.get("PYTHONPATH")])))
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file, "-k", "interp_"],
+        cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    assert " passed" in result.stdout

@@ -22,14 +22,11 @@ import importlib.util
 import json
 import logging
 import os
-import subprocess
-import sys
 import weakref
-from pathlib import Path
 
 import pytest
 import torch
-from helpers import LONG_STORY, PROMPTS, generate, greedy, tiny_hf_model
+from helpers import LONG_STORY, PROMPTS, generate, greedy, run_interpreter_tests, tiny_hf_model, tiny_llama
 from safetensors.torch import load_file, save_file
 
 from kernels.fp8 import (
@@ -58,7 +55,6 @@ from worker.models.loader import (
 from worker.models.quantization import Fp8Linear
 
 CPU = torch.device("cpu")
-REPO_ROOT = Path(__file__).resolve().parent.parent
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 interpreter_only = pytest.mark.skipif(
@@ -150,16 +146,8 @@ def test_fp8_weight_only_ref_multiplies_unquantized_activations():
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
 @pytest.mark.skipif(INTERPRETING, reason="already inside the interpreter run")
 def test_triton_interpreter():
-    """Runs this file's interpreter_only tests with TRITON_INTERPRET=1, which must be set
-    before triton is first imported."""
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), str(REPO_ROOT / "tests"),
-                                                        os.environ.get("PYTHONPATH")])))
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "interp_"],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert " passed" in result.stdout
+    """Runs this file's interpreter_only tests on the CPU, through Triton's interpreter."""
+    run_interpreter_tests(__file__)
 
 
 def interp_w8a16(m, n, k, dtype, bias=True, seed=0, config=None):
@@ -190,11 +178,11 @@ def test_interp_w8a16_matches_the_weight_only_ref_on_ragged_shapes(m, dtype):
 @pytest.mark.parametrize("mode", ["dot", "dot_t", "fma"])
 @pytest.mark.parametrize("split_k", [1, 2, 3, 7])
 def test_interp_w8a16_split_k_sums_partials_and_leaves_the_counters_at_zero(split_k, mode):
-    from kernels.triton_fp8 import Fp8Config
-    from kernels.triton_w4a16 import split_k_counters
+    from kernels.triton_split_k import TileConfig
+    from kernels.triton_split_k import split_k_counters
 
     block_m = 1 if mode == "fma" else 16
-    config = Fp8Config(block_m=block_m, block_n=32, block_k=32, split_k=split_k, mode=mode)   # 7 K-tiles
+    config = TileConfig(block_m=block_m, block_n=32, block_k=32, split_k=split_k, mode=mode)   # 7 K-tiles
     for _ in range(2):                       # the second call reuses the counters
         out, ref = interp_w8a16(min(3, block_m), 72, 224, torch.float32, seed=split_k, config=config)
         torch.testing.assert_close(out, ref, **INTERP_TOL[torch.float32])
@@ -277,7 +265,7 @@ def test_fp8_linears_of_a_layer_replay_in_a_cuda_graph_captured_first(m, monkeyp
     """Split-K W8A16 launches inside a capture with no counters made yet (each launch then
     gets its own, zeroed in the graph), then with the shared counters; replayed twice on new
     inputs, each replay equal to the eager result."""
-    from kernels import triton_w4a16
+    from kernels import triton_split_k
 
     weights = [tuple(t.cuda() for t in per_channel_quant(randn(n, k, seed=n) * k ** -0.5))
                for n, k in [(6144, 4096), (4096, 4096), (4096, 14336)]]
@@ -287,7 +275,7 @@ def test_fp8_linears_of_a_layer_replay_in_a_cuda_graph_captured_first(m, monkeyp
         return [fp8_linear(xs[0], *weights[0]), fp8_linear(xs[0], *weights[1]), fp8_linear(xs[1], *weights[2])]
 
     step()                                              # compiles
-    monkeypatch.setattr(triton_w4a16, "_counter_cache", {})
+    monkeypatch.setattr(triton_split_k, "_counter_cache", {})
     for _ in range(2):                                  # no counters yet, then the shared ones
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -447,16 +435,8 @@ def save_compressed_tensors_fp8(path, kind: str = "llama", preset: str = "FP8_DY
         preset_name_to_scheme,
     )
     from compressed_tensors.quantization.utils import calculate_qparams
-    from transformers import LlamaConfig, LlamaForCausalLM
     if kind == "llama":
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
-                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                             max_position_embeddings=256))
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "norm" in name:
-                    p.normal_(1.0, 0.1)
+        model = tiny_llama(vocab_size=256, hidden_size=64, layers=2, max_position_embeddings=256)
     else:
         model = tiny_hf_model(path, kind)
     model = model.to(dtype)

@@ -4,12 +4,10 @@ reference (on CPU through Triton's interpreter, in a subprocess, and on CUDA).""
 import importlib.util
 import math
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from helpers import run_interpreter_tests
 
 from kernels.activation import silu_and_mul, silu_and_mul_ref
 from kernels.attention import paged_attention, paged_attention_ref
@@ -17,7 +15,6 @@ from kernels.cache import copy_blocks, copy_blocks_ref, swap_blocks, write_kv, w
 from kernels.norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
 from kernels.rotary import apply_rotary, apply_rotary_ref, build_cos_sin_cache
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 interpreter_only = pytest.mark.skipif(
@@ -241,17 +238,8 @@ def test_silu_and_mul_ref_matches_naive():
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
 @pytest.mark.skipif(INTERPRETING, reason="already inside the interpreter run")
 def test_triton_interpreter():
-    """Runs this file's interpreter_only tests with TRITON_INTERPRET=1, which must be set
-    before triton is first imported."""
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT),
-                                                        os.environ.get("PYTHONPATH")])))
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-         "-k", "interp_"], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-        timeout=300)
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert " passed" in result.stdout
+    """Runs this file's interpreter_only tests on the CPU, through Triton's interpreter."""
+    run_interpreter_tests(__file__)
 
 
 # The interpreter truncates when it converts to bfloat16 and gets bfloat16 matmuls wrong,

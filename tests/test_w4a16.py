@@ -10,18 +10,15 @@ dequantizes independently of both.
 
 import importlib.util
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from helpers import run_interpreter_tests
 
 from kernels.w4a16 import (W4Weight, dequantize_ref, pack_int4, unpack_int4, w4a16_matmul,
                            w4a16_matmul_ref)
 from worker.models.w4_formats import from_awq, from_compressed_tensors, from_gptq
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 interpreter_only = pytest.mark.skipif(
@@ -310,17 +307,8 @@ def test_matmul_on_cpu_is_the_reference_over_leading_dims():
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
 @pytest.mark.skipif(INTERPRETING, reason="already inside the interpreter run")
 def test_triton_interpreter():
-    """Runs this file's interpreter_only tests with TRITON_INTERPRET=1, which must be set
-    before triton is first imported."""
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT),
-                                                        os.environ.get("PYTHONPATH")])))
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-         "-k", "interp_"], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-        timeout=300)
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert " passed" in result.stdout
+    """Runs this file's interpreter_only tests on the CPU, through Triton's interpreter."""
+    run_interpreter_tests(__file__)
 
 
 # The interpreter gets bfloat16 wrong (see test_kernels.py): bfloat16 is left to the GPU.
@@ -370,10 +358,11 @@ def test_interp_act_order_gathers_activations(m, group):
 @pytest.mark.parametrize("split_k", [2, 3, 7])  # 7 tiles of 32: 4 + 3, 3 + 3 + 1, 1 each
 def test_interp_split_k_sums_partials(split_k, mode):
     """Both modes (fma: one row), act-order, K split unevenly."""
-    from kernels.triton_w4a16 import W4A16Config, w4a16_matmul_triton
+    from kernels.triton_split_k import TileConfig
+    from kernels.triton_w4a16 import w4a16_matmul_triton
 
     x, w = interp_case(3 if mode == "dot" else 1, 32, torch.float16, act_order=True, seed=5)
-    config = W4A16Config(block_m=16 if mode == "dot" else 1, block_n=32, block_k=32,
+    config = TileConfig(block_m=16 if mode == "dot" else 1, block_n=32, block_k=32,
                          split_k=split_k, mode=mode)
     torch.testing.assert_close(w4a16_matmul_triton(x, w, config), w4a16_matmul_ref(x, w),
                                **INTERP_TOL[torch.float16])
@@ -383,10 +372,11 @@ def test_interp_split_k_sums_partials(split_k, mode):
 def test_interp_split_k_leaves_the_counters_at_zero_for_the_next_call():
     """The last program of each output tile adds the partials and resets its counter: a
     second call on the same counters gives the same result, bit for bit."""
-    from kernels.triton_w4a16 import W4A16Config, split_k_counters, w4a16_matmul_triton
+    from kernels.triton_split_k import TileConfig, split_k_counters
+    from kernels.triton_w4a16 import w4a16_matmul_triton
 
     x, w = interp_case(5, 32, torch.float32, seed=11)
-    config = W4A16Config(block_m=16, block_n=32, block_k=32, split_k=3)
+    config = TileConfig(block_m=16, block_n=32, block_k=32, split_k=3)
     first = w4a16_matmul_triton(x, w, config)
     assert not split_k_counters(x.device, 1).any()
     assert torch.equal(w4a16_matmul_triton(x, w, config), first)
@@ -464,7 +454,7 @@ def test_gpu_w4a16_matmul(dtype):
 def test_gpu_w4a16_decode_replays_in_a_cuda_graph(monkeypatch):
     """Split-K decodes captured with no counters made yet, then with the shared ones; each
     replay on new inputs equal to the eager result (the partials are added in fixed order)."""
-    from kernels import triton_w4a16
+    from kernels import triton_split_k
 
     shapes = [(4096, 6144), (4096, 4096), (14336, 4096)]
     weights = []
@@ -480,7 +470,7 @@ def test_gpu_w4a16_decode_replays_in_a_cuda_graph(monkeypatch):
             return [w4a16_matmul(x, w) for x, w in zip(xs, weights)]
 
         step()                                                  # compiles
-        monkeypatch.setattr(triton_w4a16, "_counter_cache", {})
+        monkeypatch.setattr(triton_split_k, "_counter_cache", {})
         for _ in range(2):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):

@@ -37,7 +37,7 @@ import zlib
 
 import pytest
 import torch
-from helpers import LONG_STORY, PROMPTS, generate, greedy, tiny_hf_model
+from helpers import LONG_STORY, PROMPTS, generate, greedy, tiny_hf_model, tiny_llama
 from safetensors.torch import save_file
 
 from kernels.w4a16 import dequantize_ref, w4a16_matmul_ref
@@ -59,19 +59,10 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 ATOL = 1e-5
 
 
-def tiny_llama():
+def small_llama():
     """A random Llama: hidden 128 (q/k/v, gate/up and o_proj take 128 inputs, down_proj 256),
     2 layers, 4 query heads of 32 over 2 KV heads; random norms, so no layout can hide."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
-                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                         max_position_embeddings=256))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(1.0, 0.1)
-    return model.eval()
+    return tiny_llama(vocab_size=VOCAB, hidden_size=128, layers=2, max_position_embeddings=256, num_heads=4)
 
 
 def token_ids(n: int = 90) -> list[int]:
@@ -146,7 +137,7 @@ def save_int4_checkpoint(path, method: str, group_size: int = 32, *, checkpoint_
     `differing_orders`: k_proj gets act-order groups of its own (q/k/v normally share theirs,
     as their inputs are the same); `zero_biases`: every linear gets a bias of zeros, as
     AutoGPTQ writes them."""
-    model = tiny_llama()
+    model = small_llama()
     v1 = method == "gptq" and checkpoint_format == "gptq"
     zeros = (8, 8) if sym else ((1, 16) if v1 else (0, 15))        # v1 stores z - 1: z is 1..16
     tensors = {}
@@ -230,14 +221,14 @@ def transformers_decompressed_logits(path, ids: list[int]) -> torch.Tensor:
 
 @pytest.mark.parametrize("preset", ["W4A16", "W4A16_ASYM"], ids=["symmetric", "zero-points"])
 def test_compressed_tensors_w4a16_checkpoint_matches_transformers(tmp_path, preset):
-    compress_w4a16(tiny_llama(), tmp_path, preset)
+    compress_w4a16(small_llama(), tmp_path, preset)
     ids = token_ids()
     ours = engine_logits(tmp_path, ids)
     torch.testing.assert_close(ours, transformers_decompressed_logits(tmp_path, ids), atol=ATOL, rtol=0)
 
 
 def test_compressed_tensors_w4a16_makes_every_decoder_linear_4_bit_and_nothing_else(tmp_path):
-    compress_w4a16(tiny_llama(), tmp_path, "W4A16_ASYM")
+    compress_w4a16(small_llama(), tmp_path, "W4A16_ASYM")
     _, model = load_model(resolve_source(str(tmp_path)), CPU, torch.float32)
     for layer in model.layers:
         for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
@@ -309,7 +300,7 @@ def test_the_load_log_names_the_checkpoint_quantization(tmp_path, caplog):
 
 
 def test_dummy_weights_with_a_4_bit_method_are_rounded_on_load(tmp_path):
-    tiny_llama().config.save_pretrained(tmp_path)
+    small_llama().config.save_pretrained(tmp_path)
     source = resolve_source(str(tmp_path), "dummy")
     _, drawn = load_model(source, CPU, torch.float32)
     _, rounded = load_model(source, CPU, torch.float32, quantization="gptq")
@@ -332,7 +323,7 @@ def test_w4linear_is_the_reference_gemm_plus_bias_in_the_dtype_it_is_moved_to():
 # ------------------------------------------------------------------ refusals
 
 def write_config(path, quantization_config: dict) -> None:
-    config = tiny_llama().config.to_dict()
+    config = small_llama().config.to_dict()
     config["quantization_config"] = quantization_config
     (path / "config.json").write_text(json.dumps(config))
 
@@ -475,7 +466,7 @@ def save_tiny_gguf(path, linear_type: str) -> None:
     `linear_type` and the rest in float32; q and k rows interleaved per head, as llama.cpp's
     converter stores them."""
     import gguf
-    model = tiny_llama()
+    model = small_llama()
     config = model.config
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_block_count(config.num_hidden_layers)

@@ -28,6 +28,7 @@ packs them (`checkpoint_tensors`), and what happens once every weight is in (`af
   cannot hold.
 """
 
+import abc
 import importlib.util
 import logging
 import re
@@ -394,7 +395,7 @@ FUSED_PROJECTIONS = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_
                      "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
 
 
-class W4Checkpoint(W4Method):
+class W4Checkpoint(W4Method, abc.ABC):
     """A pre-quantized 4-bit checkpoint, in the format a subclass reads. Each decoder
     linear's tensors are gathered (a linear's come together in the name-sorted files, so few
     wait at once), read whole, repacked into the canonical layout (`W4Linear`'s parameters:
@@ -427,9 +428,9 @@ class W4Checkpoint(W4Method):
     def create(self, in_features: int, out_features: int, bias: bool) -> nn.Module:
         return W4Linear(in_features, out_features, bias, self.checkpoint.group_size, self.checkpoint.act_order)
 
+    @abc.abstractmethod
     def repack(self, parts: dict[str, torch.Tensor]) -> W4Weight:
         """One layer's tensors (the keys of `self.required`) in the canonical layout."""
-        raise NotImplementedError
 
     def checkpoint_tensors(self, weights: Iterable[tuple[str, Tensorish]]) -> Iterator[tuple[str, Tensorish]]:
         pending: dict[str, dict[str, torch.Tensor]] = {}         # linear -> its tensors read so far
