@@ -11,6 +11,7 @@ milliseconds, and computes token masks with the GIL released, in parallel over a
 
 from __future__ import annotations
 
+import functools
 import json
 
 import llguidance
@@ -37,9 +38,11 @@ def grammar_of(constraint: StructuredOutput) -> str:
     return llguidance.grammar_from("grammar", spec)       # Lark, or GBNF (converted)
 
 
+@functools.lru_cache(maxsize=256)
 def problem(constraint: StructuredOutput) -> str | None:
     """Why the constraint cannot be compiled (an unsupported schema feature, a regex or grammar
-    syntax error), or None when it compiles."""
+    syntax error), or None when it compiles. Cached: clients send the same few schemas again
+    and again, and the router checks every request."""
     try:
         error = llguidance.LLMatcher.validate_grammar(grammar_of(constraint))
     except ValueError as failed:

@@ -117,3 +117,21 @@ def test_tool_calls_and_tool_turns_of_the_history_reach_the_chat_template(smollm
     # (Chat templates run with trim_blocks: the newline after each block tag goes.)
     assert templated.decode(prepared.prompt_token_ids) == (
         "user: Weather in Oslo?assistant: [call call_1 get_weather Oslo]tool: 12 C(answers call_1)")
+
+
+# Structured outputs
+
+def test_a_structured_output_for_a_model_without_a_tokenizer_is_invalid_naming_it():
+    request = token_ids(4, max_tokens=4)
+    request.params.structured_output.regex = "[a-z]+"
+    with pytest.raises(ApiError, match="params.structured_output: the model .* without a tokenizer") as refused:
+        prepare_generate(request, served())
+    assert refused.value.field == "params.structured_output"
+
+
+def test_a_constraint_that_does_not_compile_names_its_field(tokenizer):
+    request = token_ids(4, max_tokens=4)
+    request.params.structured_output.regex = "a(b"
+    with pytest.raises(ApiError, match=r"^params.structured_output.regex does not compile: ") as refused:
+        prepare_generate(request, served(tokenizer))
+    assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
