@@ -18,7 +18,7 @@ PYTEST_ARGS ?=
 IMAGE_REGISTRY ?=
 IMAGE_TAG ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 
-.PHONY: setup setup-serve run test test-gpu bench-cpu proto images clean
+.PHONY: setup setup-serve test-tools run test test-gpu bench-cpu proto images clean
 
 setup: $(TEST_STAMP)
 setup-serve: $(SERVE_STAMP)
@@ -55,7 +55,15 @@ $(TEST_STAMP):
 run: setup-serve
 	$(VENV)/bin/pagedserve serve
 
-test: setup
+# Debian's prometheus, which tests/test_prometheus.py runs, where this user may install
+# packages; without it those tests are skipped, saying so.
+test-tools:
+	@command -v prometheus >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive \
+		apt-get install -y -q --no-install-recommends prometheus >/dev/null; } || \
+		echo "== no prometheus: tests/test_prometheus.py will be skipped"
+
+test: setup test-tools
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 test-gpu: setup

@@ -4,7 +4,7 @@
     python bench/gpu_stress.py tests/test_gpu_stress.py --out stress.json -- -k storm -x
 
 Runs `pytest -m gpu` over the given test files (default: tests/test_gpu_stress.py,
-tests/test_gpu_engine.py and, where it exists, tests/test_gpu_serving.py) from the repository
+tests/test_gpu_engine.py, tests/test_gpu_serving.py and the LoRA files' GPU tests) from the repository
 root, with `--junitxml`; prints a table of every test (outcome, seconds, the first line of a
 failure) and writes a JSON summary to `--out` (default: $OUT/gpu_stress.json when $OUT is
 set, else nothing). Arguments after `--` go to pytest. The exit code is pytest's.
@@ -21,7 +21,8 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_FILES = ["tests/test_gpu_stress.py", "tests/test_gpu_engine.py", "tests/test_gpu_serving.py"]
+DEFAULT_FILES = ["tests/test_gpu_stress.py", "tests/test_gpu_engine.py", "tests/test_gpu_serving.py",
+                 "tests/test_lora.py", "tests/test_lora_kernels.py"]
 
 
 def read_junit(path: Path) -> list[dict]:

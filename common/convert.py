@@ -1,5 +1,7 @@
 """Conversions between protobuf messages and the engine's records, shared by router and worker."""
 
+from google.protobuf import json_format
+
 from common.pb import worker_pb2
 from common.sampling_params import SamplingParams, StructuredOutput
 
@@ -33,10 +35,14 @@ def sampling_params_from_proto(p) -> SamplingParams:
         stop_token_ids=list(p.stop_token_ids),
         ignore_eos=p.ignore_eos,
         logprobs=p.logprobs if p.HasField("logprobs") else None,
+        prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
         structured_output=structured_output_from_proto(p.structured_output)
         if p.HasField("structured_output") else None,
         logit_bias={token: _f32(bias) for token, bias in p.logit_bias.items()},
         allowed_token_ids=list(p.allowed_token_ids),
+        bad_words=list(p.bad_words),
+        logits_processors=list(p.logits_processors),
+        extra_args=json_format.MessageToDict(p.extra_args) if p.HasField("extra_args") else {},
     )
 
 

@@ -1,5 +1,7 @@
 """What every gRPC server pagedserve starts has in common: it owns its port."""
 
+from __future__ import annotations
+
 from collections.abc import Sequence
 
 import grpc
@@ -14,11 +16,14 @@ def create_server(options: list[tuple[str, object]],
                            options=[*options, ("grpc.so_reuseport", 0)])
 
 
-def listen(server: grpc.aio.Server, host: str, port: int) -> int:
-    """Binds server to host:port (0: a free port) and returns the port, or raises OSError
-    naming the address."""
+def listen(server: grpc.aio.Server, host: str, port: int,
+           credentials: grpc.ServerCredentials | None = None) -> int:
+    """Binds server to host:port (0: a free port), with TLS if given credentials, and returns
+    the port, or raises OSError naming the address."""
+    address = f"{host}:{port}"
     try:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        bound = (server.add_secure_port(address, credentials) if credentials is not None
+                 else server.add_insecure_port(address))
     except RuntimeError:    # what grpcio raises when bind() fails
         bound = 0
     if bound == 0:

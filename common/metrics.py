@@ -55,6 +55,9 @@ WORKER_FINISH_REASONS = ("stop", "length", "abort", "drained", "failed")
 # How a request ended at the router, as its client saw it.
 ROUTER_FINISH_REASONS = ("stop", "length", "abort", "cancelled", "error")
 ROUTER_REJECT_REASONS = ("invalid", "overloaded", "unavailable", "not_found")
+# Why the router itself takes a request off a worker's GPU (router.preemption): for a more
+# urgent one.
+ROUTER_SWAP_REASONS = ("priority",)
 
 
 class _RequestMetrics:
@@ -111,6 +114,11 @@ class EngineState(Protocol):
     preemptions: Mapping[str, int]     # mode -> preemptions since start
     prefix_queries: int                # KV blocks looked up in the prefix cache
     prefix_hits: int                   # of those, found
+    # LoRA: (name, path, rank, target modules, in a device slot, sequences held) per adapter.
+    lora_adapters: list[tuple[str, str, int, list[str], bool, int]]
+    lora_slots_in_use: int
+    lora_loads: int                    # adapters copied into a device slot
+    lora_evictions: int                # adapters dropped from host memory
 
 
 class WorkerMetrics:
@@ -118,8 +126,13 @@ class WorkerMetrics:
     the scrape thread and must return the latest snapshot without touching the engine."""
 
     def __init__(self, model_name: str, registry: CollectorRegistry, state: Callable[[], EngineState],
-                 block_size: int):
+                 block_size: int, max_loras: int = 0):
         self.requests = _RequestMetrics(WORKER, "worker", model_name, registry, WORKER_FINISH_REASONS)
+        self.model_name = model_name
+        self.lora_requests = Counter(f"{WORKER}_lora_requests", "Requests that left the worker, by LoRA "
+                                     "adapter.", ["model_name", "lora_name"], registry=registry)
+        self.lora_tokens = Counter(f"{WORKER}_lora_generation_tokens", "Tokens generated, by LoRA adapter.",
+                                   ["model_name", "lora_name"], registry=registry)
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]):
             return Histogram(f"{WORKER}_{name}", doc, ["model_name"], registry=registry,
@@ -130,7 +143,7 @@ class WorkerMetrics:
         self.step_tokens = histogram("step_batch_tokens", "Tokens computed in one engine step "
                                      "(prompt chunks + decodes).", BATCH_TOKEN_BUCKETS)
         self.step_seqs = histogram("step_batch_sequences", "Sequences in one engine step.", BATCH_SEQ_BUCKETS)
-        registry.register(_EngineCollector(model_name, state, block_size))
+        registry.register(_EngineCollector(model_name, state, block_size, max_loras))
 
     def step(self, duration_s: float, num_tokens: int, num_seqs: int, num_generated: int) -> None:
         """One engine step that computed `num_tokens` tokens of `num_seqs` sequences (none:
@@ -155,14 +168,20 @@ class WorkerMetrics:
         histograms take only requests that completed (stop, length)."""
         self.requests.observe_end(reason, e2e_s, ttft_s, output_tokens)
 
+    def lora_finished(self, lora_name: str, output_tokens: int) -> None:
+        """A request under a LoRA adapter left the worker (besides `finished`)."""
+        self.lora_requests.labels(self.model_name, lora_name).inc()
+        self.lora_tokens.labels(self.model_name, lora_name).inc(output_tokens)
+
 
 class _EngineCollector(Collector):
     """Builds the worker's state series from the engine's latest stats at scrape time."""
 
-    def __init__(self, model_name: str, state: Callable[[], EngineState], block_size: int):
+    def __init__(self, model_name: str, state: Callable[[], EngineState], block_size: int, max_loras: int):
         self.model_name = model_name
         self.state = state
         self.block_size = block_size
+        self.max_loras = max_loras
         self.started = time.time()
 
     def collect(self) -> Iterator[Metric]:
@@ -214,12 +233,35 @@ class _EngineCollector(Collector):
                                   labels=["model_name", "block_size", "num_gpu_blocks"])
         cache.add_metric([m, str(self.block_size), str(s.total_blocks)], 1)
         yield cache
-        # No LoRA adapters are served: the series says so instead of being missing, which the
-        # endpoint picker would log as a scrape error on every poll.
-        lora = GaugeMetricFamily("vllm:lora_requests_info", "LoRA adapters (none: pagedserve serves no "
-                                 "adapters); the value is when this was last updated, in Unix seconds.",
+        yield from self._lora(s)
+
+    def _lora(self, s: EngineState) -> Iterator[Metric]:
+        m = self.model_name
+        adapters = GaugeMetricFamily(f"{WORKER}_lora_adapters", "LoRA adapters held, by where they are "
+                                     "(device: in a slot, host: in host memory only).", labels=["model_name", "where"])
+        on_device = sum(1 for a in s.lora_adapters if a[4])
+        adapters.add_metric([m, "device"], on_device)
+        adapters.add_metric([m, "host"], len(s.lora_adapters) - on_device)
+        yield adapters
+        slots = GaugeMetricFamily(f"{WORKER}_lora_slots_in_use", "Device LoRA slots holding an adapter.",
+                                  labels=["model_name"])
+        slots.add_metric([m], s.lora_slots_in_use)
+        yield slots
+        for name, doc, value in (("lora_slot_loads", "LoRA adapters copied into a device slot.", s.lora_loads),
+                                 ("lora_evictions", "LoRA adapters dropped from host memory "
+                                  "(--max-cpu-loras).", s.lora_evictions)):
+            family = CounterMetricFamily(f"{WORKER}_{name}", doc, labels=["model_name"])
+            family.add_metric([m], value)
+            yield family
+        # vLLM's series, as the Gateway API Inference Extension's endpoint picker reads it for
+        # adapter affinity (present with no adapters too: a missing one is a scrape error there).
+        lora = GaugeMetricFamily("vllm:lora_requests_info", "LoRA adapters with requests (running: in a "
+                                 "device slot; waiting: not yet); the value is when this was last updated, "
+                                 "in Unix seconds.",
                                  labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
-        lora.add_metric(["0", "", ""], self.started)
+        running = ",".join(a[0] for a in s.lora_adapters if a[5] and a[4])
+        waiting = ",".join(a[0] for a in s.lora_adapters if a[5] and not a[4])
+        lora.add_metric([str(self.max_loras), running, waiting], time.time() if s.lora_adapters else self.started)
         yield lora
 
 
@@ -250,6 +292,14 @@ class RouterMetrics:
                             ["model_name", "mode"], registry=registry)
         self._preempted = {mode: preempted.labels(model_name, mode) for mode in PREEMPTION_MODES}
         self._migrations = counter("migrations", "Preempted requests the router moved to another worker.")
+        swap_outs = Counter(f"{ROUTER}_swap_outs", "Requests (choices) the router took off a worker's GPU "
+                            "(swapped out, or aborted to be recomputed where swap space was short), by why.",
+                            ["model_name", "reason"], registry=registry)
+        self._swap_outs = {reason: swap_outs.labels(model_name, reason) for reason in ROUTER_SWAP_REASONS}
+        swap_ins = Counter(f"{ROUTER}_swap_ins", "Requests (choices) the router had taken off a GPU that run "
+                           "again (swapped in, or resubmitted where room was), by why they were out.",
+                           ["model_name", "reason"], registry=registry)
+        self._swap_ins = {reason: swap_ins.labels(model_name, reason) for reason in ROUTER_SWAP_REASONS}
         self._redispatches = counter("redispatches", "Requests resubmitted after their worker was lost "
                                      "or drained.")
         self._workers_lost = counter("workers_lost", "Worker sessions that ended while in use.")
@@ -272,11 +322,23 @@ class RouterMetrics:
         self.requests.generation_tokens.inc(output_tokens)
         self.requests.observe_end(reason, e2e_s, ttft_s, output_tokens)
 
+    def lora_finished(self, lora_name: str, output_tokens: int) -> None:
+        """A request under a LoRA adapter left the worker (besides `finished`)."""
+        self.lora_requests.labels(self.model_name, lora_name).inc()
+        self.lora_tokens.labels(self.model_name, lora_name).inc(output_tokens)
+
     def preempted(self, mode: str) -> None:
         self._preempted[mode].inc()
 
     def migrated(self) -> None:
         self._migrations.inc()
+
+    def swapped_out(self, reason: str) -> None:
+        """`reason` is one of ROUTER_SWAP_REASONS."""
+        self._swap_outs[reason].inc()
+
+    def swapped_in(self, reason: str) -> None:
+        self._swap_ins[reason].inc()
 
     def redispatched(self) -> None:
         self._redispatches.inc()

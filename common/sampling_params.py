@@ -1,6 +1,7 @@
 """Per-request sampling parameters and their validation."""
 
 from dataclasses import dataclass, field
+from typing import Any
 
 MAX_LOGPROBS = 20
 # Temperatures below this are greedy, as in vLLM: dividing logits by a tiny one overflows float32
@@ -45,9 +46,19 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None       # top-n logprobs per generated token; None: none
+    # Top-n logprobs of each prompt token (computed in its prefill); None: none. With it,
+    # max_tokens may be 0: the prompt is scored and nothing generated.
+    prompt_logprobs: int | None = None
     structured_output: StructuredOutput | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)   # token id -> added to its logit
     allowed_token_ids: list[int] = field(default_factory=list)   # empty: every token
+    # Words the output may not contain (vLLM's bad_words), tokenized by the worker: a word's
+    # last token is banned whenever the output ends with the tokens before it.
+    bad_words: list[str] = field(default_factory=list)
+    # Custom logits processors to run (by name; the worker loads them, worker.logits_processors)
+    # and their arguments (vLLM's extra_args: JSON values by name).
+    logits_processors: list[str] = field(default_factory=list)
+    extra_args: dict[str, Any] = field(default_factory=dict)
 
     @property
     def greedy(self) -> bool:
@@ -81,13 +92,18 @@ class SamplingParams:
             bad("repetition_penalty", "must be in (0, 10]")
         if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**63):
             bad("seed", "must be an integer in [0, 2^63)")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            bad("max_tokens", "must be an integer >= 1")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 0 or (
+                self.max_tokens == 0 and (self.prompt_logprobs is None or self.n != 1)):
+            bad("max_tokens", "must be an integer >= 1, or 0 to score a prompt (with "
+                "prompt_logprobs set and n=1)")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
             bad("min_tokens", f"must be an integer in [0, max_tokens={self.max_tokens}]")
         if self.logprobs is not None and not (isinstance(self.logprobs, int)
                                               and 0 <= self.logprobs <= MAX_LOGPROBS):
             bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
+        if self.prompt_logprobs is not None and not (isinstance(self.prompt_logprobs, int)
+                                                     and 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            bad("prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
         if vocab_size is not None and any(not 0 <= t < vocab_size for t in self.stop_token_ids):
             bad("stop_token_ids", f"every id must be in [0, {vocab_size})")
         for token, bias in self.logit_bias.items():
@@ -99,6 +115,12 @@ class SamplingParams:
                                      "logit_bias")
         if vocab_size is not None and any(not 0 <= t < vocab_size for t in self.allowed_token_ids):
             bad("allowed_token_ids", f"every id must be in [0, {vocab_size})")
+        if any(not isinstance(word, str) or not word.strip() for word in self.bad_words):
+            bad("bad_words", "every entry must be a string holding more than spaces")
+        if any(not isinstance(name, str) or not name for name in self.logits_processors):
+            bad("logits_processors", "every entry must be a processor's name")
+        if not isinstance(self.extra_args, dict) or any(not isinstance(key, str) for key in self.extra_args):
+            bad("extra_args", "must map names (strings) to values")
         if (so := self.structured_output) is not None:
             if so.kind not in STRUCTURED_OUTPUT_KINDS:
                 raise InvalidRequest(f"structured_output kind {so.kind!r} is unknown: use one of "

@@ -22,10 +22,14 @@ import socket
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from common.env_flags import ENV_PREFIX, apply_env
 from common.ports import Listener, check_ports
 from worker.flags import WORKER_REFUSED, add_engine_args, engine_config_from_args
+
+if TYPE_CHECKING:   # imported where used: the client commands start without grpc's TLS
+    from common.tls import ClientTls, ServerTls
 
 DEFAULT_ADDRESS = "localhost:50051"
 WORKER_HOST = "127.0.0.1"   # where `serve --role all` runs its worker
@@ -81,6 +85,31 @@ def _serve_parser() -> argparse.ArgumentParser:
     network.add_argument("--served-model-name", nargs="+", metavar="NAME",
                          help="names clients may use for the model (default: the model's own); "
                               "the first is reported to clients first")
+    tls = parser.add_argument_group(
+        "TLS between routers and workers", "PEM files, read and checked at start-up; "
+        "docs/serving.md explains which certificate goes where")
+    tls.add_argument("--tls-cert-file", help="--role worker: serve the worker API over TLS with "
+                                             "this certificate chain (and --tls-key-file)")
+    tls.add_argument("--tls-key-file", help="--role worker: the certificate's private key, "
+                                            "unencrypted")
+    tls.add_argument("--tls-client-ca-file",
+                     help="--role worker: mutual TLS: refuse routers without a certificate "
+                          "signed by one of these CAs")
+    tls.add_argument("--health-port", type=int, default=0,
+                     help="--role worker: also serve gRPC health, and nothing else, in "
+                          "plaintext on this port (0: off), for probes that cannot speak TLS "
+                          "(Kubernetes' gRPC probes)")
+    tls.add_argument("--worker-tls-ca-file",
+                     help="--role router: dial the workers over TLS, checking their "
+                          "certificates against these CAs")
+    tls.add_argument("--worker-tls-cert-file",
+                     help="--role router: mutual TLS: the certificate chain to present to the "
+                          "workers (with --worker-tls-key-file)")
+    tls.add_argument("--worker-tls-key-file", help="--role router: that certificate's key")
+    tls.add_argument("--worker-tls-server-name",
+                     help="--role router: the name the workers' certificates must carry "
+                          "(default: the host of the worker address; dns: targets resolve to "
+                          "IP addresses, so give them the Service's name)")
     router = parser.add_argument_group("router: admission and scheduling")
     router.add_argument("--max-concurrent-requests", type=int, default=1024,
                         help="requests running at once over all workers; more wait in the queue")
@@ -96,6 +125,15 @@ def _serve_parser() -> argparse.ArgumentParser:
     router.add_argument("--migrate-on-preemption", action=argparse.BooleanOptionalAction,
                         default=True, help="move a request preempted for recompute to a worker "
                                            "with clearly more free KV blocks")
+    router.add_argument("--preempt-for-priority", action=argparse.BooleanOptionalAction,
+                        default=True, help="when a request fits no worker but is more urgent (a "
+                                           "lower priority value) than running ones, take the "
+                                           "least urgent of those off the worker where that frees "
+                                           "the fewest tokens (swap out), and let them run again "
+                                           "once there is room")
+    router.add_argument("--preemption-min-run", type=float, default=1.0,
+                        help="seconds a request runs after its admission, or its return, before "
+                             "it may be taken off a GPU for priority again (against thrash)")
     router.add_argument("--worker-timeout", type=float, default=5.0,
                         help="seconds without a message from a worker (it reports its load 5 "
                              "times a second) after which it counts as lost: a frozen worker's "
@@ -119,6 +157,9 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"--worker-timeout {args.worker_timeout:g} must be above 0 seconds")
     if args.discovery_interval <= 0:
         parser.error(f"--discovery-interval {args.discovery_interval:g} must be above 0 seconds")
+    if args.preemption_min_run < 0:
+        parser.error(f"--preemption-min-run {args.preemption_min_run:g} must be 0 seconds or more")
+    _check_tls_flags(args, parser)
     setup_logging(args.log_level, args.log_format)
     try:
         # Before the model loads, which can take minutes: a taken port is refused at once.
@@ -134,12 +175,13 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 def _serve_role(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.role == "worker":
+        tls = _worker_server_tls(args)     # before torch and the model: a bad file fails at once
         # Start-up shows progress through its silent stretches: importing torch takes seconds.
         logging.getLogger("pagedserve.worker").info("worker starting: importing torch")
         from worker.server import run_worker     # imports torch: only a worker pays for it
         run_worker(engine_config_from_args(args), args.host, args.worker_port, args.worker_id,
                    model_name=(args.served_model_name or [None])[0],
-                   metrics_port=args.metrics_port)
+                   metrics_port=args.metrics_port, tls=tls, health_port=args.health_port)
         return 0
     from common import tracing
     try:
@@ -162,7 +204,8 @@ def _listeners(args: argparse.Namespace) -> list[Listener]:
     --metrics-port: without it a process still serves (common.metrics.serve_metrics logs that
     it is taken), and several processes on one host are run on its default."""
     if args.role == "worker":
-        return [("--worker-port", args.host, args.worker_port)]
+        health = [("--health-port", args.host, args.health_port)] if args.health_port else []
+        return [("--worker-port", args.host, args.worker_port), *health]
     router = [("--port", args.host, args.port), ("--http-port", args.host, args.http_port)]
     if args.role == "router":
         return router
@@ -173,6 +216,7 @@ def _router_config(args: argparse.Namespace, workers: Sequence[str]):
     from router.admission import AdmissionConfig
     from router.fleet import FleetConfig
     from router.generate import RunConfig
+    from router.preemption import PreemptionConfig
     from router.server import RouterConfig
 
     return RouterConfig(
@@ -183,13 +227,59 @@ def _router_config(args: argparse.Namespace, workers: Sequence[str]):
                                   max_queue_len=args.max_queue_len,
                                   max_wait_s=args.max_queue_wait),
         run=RunConfig(migrate_on_preemption=args.migrate_on_preemption),
-        fleet=FleetConfig(silence_timeout_s=args.worker_timeout),
+        preemption=PreemptionConfig(enabled=args.preempt_for_priority,
+                                    min_run_s=args.preemption_min_run),
+        fleet=FleetConfig(silence_timeout_s=args.worker_timeout, worker_tls=_worker_client_tls(args)),
         discovery_refresh_s=args.discovery_interval,
         shutdown_grace_s=args.shutdown_grace,
         http_port=None if args.http_port < 0 else args.http_port,
         # With --role all the worker has --metrics-port; the router's are then on the HTTP API.
         metrics_port=args.metrics_port if args.role == "router" else 0,
         api_key=args.api_key, allowed_origins=tuple(args.allowed_origins))
+
+
+_WORKER_TLS_FLAGS = ("tls_cert_file", "tls_key_file", "tls_client_ca_file", "health_port")
+_ROUTER_TLS_FLAGS = ("worker_tls_ca_file", "worker_tls_cert_file", "worker_tls_key_file",
+                     "worker_tls_server_name")
+
+
+def _check_tls_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Refuses TLS flags given to a role that would ignore them, or given without their pair.
+    With --role all the router reaches its own worker on loopback, in plaintext."""
+    def given(names: Sequence[str]) -> list[str]:
+        return ["--" + name.replace("_", "-") for name in names if getattr(args, name)]
+
+    if args.role != "worker" and given(_WORKER_TLS_FLAGS):
+        parser.error(f"{', '.join(given(_WORKER_TLS_FLAGS))}: for --role worker only")
+    if args.role != "router" and given(_ROUTER_TLS_FLAGS):
+        parser.error(f"{', '.join(given(_ROUTER_TLS_FLAGS))}: for --role router only")
+    if bool(args.tls_cert_file) != bool(args.tls_key_file):
+        parser.error("--tls-cert-file and --tls-key-file go together")
+    if args.tls_client_ca_file and not args.tls_cert_file:
+        parser.error("--tls-client-ca-file needs --tls-cert-file and --tls-key-file")
+    if bool(args.worker_tls_cert_file) != bool(args.worker_tls_key_file):
+        parser.error("--worker-tls-cert-file and --worker-tls-key-file go together")
+    if given(_ROUTER_TLS_FLAGS) and not args.worker_tls_ca_file:
+        parser.error(f"{', '.join(given(_ROUTER_TLS_FLAGS))}: need --worker-tls-ca-file, the CAs "
+                     "the workers' certificates are checked against")
+
+
+def _worker_server_tls(args: argparse.Namespace) -> ServerTls | None:
+    """The worker's common.tls.ServerTls, or None (plaintext); raises TlsError for a bad file."""
+    from common.tls import load_server_tls
+    if not args.tls_cert_file:
+        return None
+    return load_server_tls(args.tls_cert_file, args.tls_key_file, args.tls_client_ca_file)
+
+
+def _worker_client_tls(args: argparse.Namespace) -> ClientTls | None:
+    """The router's common.tls.ClientTls for dialing workers, or None (plaintext); raises
+    TlsError for a bad file."""
+    from common.tls import load_client_tls
+    if not args.worker_tls_ca_file:
+        return None
+    return load_client_tls(args.worker_tls_ca_file, args.worker_tls_cert_file,
+                           args.worker_tls_key_file, args.worker_tls_server_name)
 
 
 async def _serve_all(args: argparse.Namespace) -> int:
@@ -307,7 +397,11 @@ def _engine_env(args: argparse.Namespace) -> dict[str, str]:
     engine = argparse.ArgumentParser(add_help=False)
     add_engine_args(engine)
     names = vars(engine.parse_args([])).keys()
-    return {ENV_PREFIX + name.upper(): str(getattr(args, name))
+    # A flag of several values (--logits-processors a b) as apply_env reads it back: spaced;
+    # a --lora-modules entry (name, path) as it was written, name=path.
+    item = lambda v: "=".join(v) if isinstance(v, tuple) else str(v)  # noqa: E731
+    as_env = lambda value: " ".join(map(item, value)) if isinstance(value, list) else str(value)  # noqa: E731
+    return {ENV_PREFIX + name.upper(): as_env(getattr(args, name))
             for name in names if getattr(args, name) is not None}
 
 

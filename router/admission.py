@@ -23,6 +23,20 @@ Within one priority, a large request at the head is therefore never starved by a
 ones that each fit; the price is that requests behind it wait (head-of-line blocking) until room
 frees up for it. Requests of a better priority do overtake it, and a steady stream of them can
 keep it waiting; the max_wait_s bound keeps either wait finite.
+
+Several router replicas share each worker without talking to each other, through the worker's
+load reports (`observe_load`): a report says how many tokens the other replicas' requests
+hold there and how many replicas (sessions) share it. Until its next report, a replica may
+reserve what it holds plus a 1/num_sessions share of the room the others leave, so replicas
+that decide at the same moment from the same picture cannot overfill the worker together;
+what a replica releases it may reuse at once (no other replica has seen it free). A request
+larger than one share, which could never fit one, may instead take the whole room, at most
+once per report (WorkerBudget.fits). docs/serving.md states the guarantee this gives.
+
+A reservation can be suspended (`Reservation.suspend`: router.preemption took its request off
+the GPU for a more urgent one), which gives its tokens back while the request lives on, and
+resumed (`Reservation.resume`): it queues again at its original place in the order, past the
+queue's bounds (the request already runs for its client), until a worker has room for it.
 """
 
 from __future__ import annotations
@@ -74,21 +88,55 @@ class AdmissionConfig:
 
 @dataclass(eq=False)
 class WorkerBudget:
-    """One worker's token budget, as admission sees it."""
+    """One worker's token budget, as this router replica sees it (see the module docstring)."""
 
     worker_id: str
     capacity_tokens: int
     accepting: bool = True  # False while the worker drains or is not ready
-    reserved_tokens: int = 0
+    reserved_tokens: int = 0  # by this replica
     num_requests: int = 0
+    # From the latest load report: the replicas sharing the worker, what the others' requests
+    # hold there, and how much this replica may hold until the next report (what it held then
+    # plus its share of the room left). Before a first report, a replica counts itself alone.
+    num_sessions: int = 1
+    others_tokens: int = 0
+    limit_tokens: int | None = None
+    claimed_since_report: bool = False
+
+    @property
+    def room_tokens(self) -> int:
+        """What the other replicas leave of the capacity, less what this one holds."""
+        return self.capacity_tokens - self.others_tokens - self.reserved_tokens
 
     @property
     def free_tokens(self) -> int:
-        return self.capacity_tokens - self.reserved_tokens
+        """What this replica may reserve there now: the room, within its share."""
+        if self.limit_tokens is None:
+            return self.room_tokens
+        return min(self.room_tokens, self.limit_tokens - self.reserved_tokens)
+
+    def fits(self, tokens: int) -> bool:
+        """Whether a request of `tokens` may be placed here now. One larger than a share of the
+        whole capacity could never fit a share: it may take the whole room instead, if this
+        replica has claimed nothing since the report (so that each replica overfills the worker
+        by one such request at most)."""
+        if tokens <= self.free_tokens:
+            return True
+        return (tokens > self.capacity_tokens // self.num_sessions
+                and not self.claimed_since_report and tokens <= self.room_tokens)
 
 
 # Picks the worker for a request among those it fits on (never empty); None declines them all.
 WorkerChooser = Callable[[list[WorkerBudget]], WorkerBudget | None]
+
+
+@dataclass(frozen=True)
+class QueuedRequest:
+    """The head of the admission queue, as router.preemption weighs it."""
+
+    tokens: int
+    priority: int
+    request_id: str  # for logs and traces ("" when the caller named none)
 
 
 @dataclass(eq=False)
@@ -98,8 +146,12 @@ class Reservation:
     tokens: int
     worker: WorkerBudget
     _admission: Admission = field(repr=False)
+    order: tuple[int, int] = (0, 0)  # its place in the queue's order: (priority, arrival)
+    request_id: str = ""
     _admitted_at: float = field(default_factory=time.monotonic, repr=False)
     released: bool = False
+    suspended: bool = False  # its tokens are given back until resume()
+    _resuming: _Waiter | None = field(default=None, repr=False)
 
     @property
     def worker_id(self) -> str:
@@ -114,6 +166,16 @@ class Reservation:
         already running must not queue behind new ones."""
         self._admission._move(self, worker_id)
 
+    def suspend(self) -> None:
+        """Gives the tokens (and the concurrency slot) back while the request lives on, off the
+        GPU; resume() takes them again. Idempotent."""
+        self._admission._suspend(self)
+
+    async def resume(self, choose: WorkerChooser) -> None:
+        """Waits in the queue, at the reservation's original place in the order and past the
+        queue's bounds, until a worker `choose` picks has room; the reservation is then on it."""
+        await self._admission._resume(self, choose)
+
 
 @dataclass(eq=False)
 class _Waiter:
@@ -121,6 +183,8 @@ class _Waiter:
     choose: WorkerChooser
     granted: asyncio.Future[Reservation]
     order: tuple[int, int]  # (priority, arrival sequence number): the queue's sort key
+    request_id: str = ""
+    resuming: Reservation | None = None  # a suspended reservation to place again, else a new one
 
 
 class Admission:
@@ -139,6 +203,9 @@ class Admission:
         self._arrivals = itertools.count()
         self._num_admitted = 0
         self._mean_hold_s = 1.0  # until the first release says otherwise
+        # Called whenever the queue's head cannot be placed (router.preemption listens). It must
+        # not call back into admission before returning: it runs in the middle of placing.
+        self.on_blocked: Callable[[], None] = lambda: None
 
     @property
     def workers(self) -> list[WorkerBudget]:
@@ -151,6 +218,15 @@ class Admission:
     @property
     def num_waiting(self) -> int:
         return len(self._queue)
+
+    @property
+    def head(self) -> QueuedRequest | None:
+        """The request placed next, once a worker has room for it."""
+        for waiter in self._queue:
+            if not waiter.granted.done():
+                priority = waiter.order[0]
+                return QueuedRequest(waiter.tokens, priority, waiter.request_id)
+        return None
 
     def set_worker(self, worker_id: str, kv_capacity_tokens: int, accepting: bool = True) -> None:
         """Adds a worker, or updates its capacity and whether it accepts requests."""
@@ -166,12 +242,29 @@ class Admission:
         """Forgets a worker. Reservations still on it hold nothing until moved or released."""
         self._workers.pop(worker_id, None)
 
-    async def reserve(self, tokens: int, choose: WorkerChooser, priority: int = 0) -> Reservation:
+    def observe_load(self, worker_id: str, tokens_in_flight: int, own_tokens_in_flight: int,
+                     num_sessions: int) -> None:
+        """A worker's load report: every replica's requests hold `tokens_in_flight` tokens there,
+        this one's `own_tokens_in_flight` of them, and `num_sessions` replicas share it. Sets this
+        replica's share of the room until the next report (see the module docstring)."""
+        worker = self._workers.get(worker_id)
+        if worker is None:
+            return
+        worker.num_sessions = max(num_sessions, 1)
+        # Measured by the worker at one moment: exact, if already a little old.
+        worker.others_tokens = max(tokens_in_flight - own_tokens_in_flight, 0)
+        share = max(worker.room_tokens, 0) // worker.num_sessions
+        worker.limit_tokens = worker.reserved_tokens + share
+        worker.claimed_since_report = False
+        self._admit_waiters()
+
+    async def reserve(self, tokens: int, choose: WorkerChooser, priority: int = 0,
+                      request_id: str = "") -> Reservation:
         """Reserves tokens on a worker picked by `choose`, waiting in the queue if need be.
 
         A lower `priority` value is served sooner; see the module docstring. Raises NoWorkers,
         RequestTooLarge or Overloaded. Cancelling the caller while it waits leaves nothing
-        reserved.
+        reserved. `request_id` names the request in what router.preemption logs and traces.
         """
         if tokens < 1:
             raise ValueError(f"tokens={tokens} must be >= 1")
@@ -182,18 +275,19 @@ class Admission:
         if tokens > largest:
             raise RequestTooLarge(f"the request needs {tokens} tokens (prompt + max_tokens, at "
                                   f"most max_model_len, times n) but a worker holds at most {largest}")
-        order = (priority, next(self._arrivals))
-        if not self._queue or self._queue[0].order > order:  # no waiter comes before it
-            reservation = self._place(tokens, choose)
+        loop = asyncio.get_running_loop()
+        waiter = _Waiter(tokens, choose, loop.create_future(), (priority, next(self._arrivals)),
+                         request_id)
+        if not self._queue or self._queue[0].order > waiter.order:  # no waiter comes before it
+            reservation = self._place(waiter)
             if reservation is not None:
                 return reservation
         if len(self._queue) >= self.config.max_queue_len:
             raise Overloaded(f"{len(self._queue)} requests are already waiting",
                              self._retry_after_s())
 
-        loop = asyncio.get_running_loop()
-        waiter = _Waiter(tokens, choose, loop.create_future(), order)
         bisect.insort(self._queue, waiter, key=lambda w: w.order)
+        self.on_blocked()
         deadline = loop.call_later(self.config.max_wait_s, self._expire, waiter)
         try:
             return await waiter.granted
@@ -207,17 +301,24 @@ class Admission:
         finally:
             deadline.cancel()
 
-    def _place(self, tokens: int, choose: WorkerChooser) -> Reservation | None:
+    def _place(self, waiter: _Waiter) -> Reservation | None:
+        """Books the waiter's tokens on a worker its chooser picks among those it fits; None
+        when it fits nowhere now."""
         if self._num_admitted >= self.config.max_concurrent_requests:
             return None
-        fits = [w for w in self._workers.values() if w.accepting and w.free_tokens >= tokens]
-        worker = choose(fits) if fits else None
+        fits = [w for w in self._workers.values() if w.accepting and w.fits(waiter.tokens)]
+        worker = waiter.choose(fits) if fits else None
         if worker is None:
             return None
-        worker.reserved_tokens += tokens
+        worker.reserved_tokens += waiter.tokens
         worker.num_requests += 1
+        worker.claimed_since_report = True
         self._num_admitted += 1
-        return Reservation(tokens, worker, self)
+        reservation = waiter.resuming
+        if reservation is None:
+            return Reservation(waiter.tokens, worker, self, waiter.order, waiter.request_id)
+        reservation.worker, reservation.suspended, reservation._resuming = worker, False, None
+        return reservation
 
     def _admit_waiters(self) -> None:
         """Places waiters from the head of the queue for as long as the head fits."""
@@ -227,12 +328,13 @@ class Admission:
                 self._queue.pop(0)
                 continue
             try:
-                reservation = self._place(waiter.tokens, waiter.choose)
+                reservation = self._place(waiter)
             except Exception as error:  # a broken chooser fails its own request, not a release
                 self._queue.pop(0)
                 waiter.granted.set_exception(error)
                 continue
             if reservation is None:
+                self.on_blocked()
                 return
             self._queue.pop(0)
             waiter.granted.set_result(reservation)
@@ -257,16 +359,47 @@ class Admission:
         if reservation.released:
             return
         reservation.released = True
+        if reservation._resuming is not None:  # it will never take a place again
+            reservation._resuming.granted.cancel()
+            self._leave_queue(reservation._resuming)
+            reservation._resuming = None
+        if reservation.suspended:
+            return  # it holds nothing
+        held_s = time.monotonic() - reservation._admitted_at
+        self._mean_hold_s += self._HOLD_TIME_SMOOTHING * (held_s - self._mean_hold_s)
+        self._give_back(reservation)
+
+    def _suspend(self, reservation: Reservation) -> None:
+        if reservation.released or reservation.suspended:
+            return
+        reservation.suspended = True
+        self._give_back(reservation)
+
+    def _give_back(self, reservation: Reservation) -> None:
         reservation.worker.reserved_tokens -= reservation.tokens
         reservation.worker.num_requests -= 1
         self._num_admitted -= 1
-        held_s = time.monotonic() - reservation._admitted_at
-        self._mean_hold_s += self._HOLD_TIME_SMOOTHING * (held_s - self._mean_hold_s)
         self._admit_waiters()
 
+    async def _resume(self, reservation: Reservation, choose: WorkerChooser) -> None:
+        if reservation.released or not reservation.suspended or reservation._resuming is not None:
+            raise ValueError("only a suspended reservation, not already resuming, can resume")
+        waiter = _Waiter(reservation.tokens, choose, asyncio.get_running_loop().create_future(),
+                         reservation.order, reservation.request_id, resuming=reservation)
+        reservation._resuming = waiter
+        bisect.insort(self._queue, waiter, key=lambda w: w.order)
+        self._admit_waiters()
+        try:
+            await waiter.granted
+        except BaseException:  # cancelled while it waited, or its chooser broke: still suspended
+            if reservation._resuming is waiter:
+                reservation._resuming = None
+                self._leave_queue(waiter)
+            raise
+
     def _move(self, reservation: Reservation, worker_id: str) -> None:
-        if reservation.released:
-            raise ValueError("cannot move a released reservation")
+        if reservation.released or reservation.suspended:
+            raise ValueError("cannot move a released or suspended reservation")
         target = self._workers.get(worker_id)
         if target is None:
             raise ValueError(f"unknown worker {worker_id!r}")

@@ -7,6 +7,11 @@ rendezvous (highest-random-weight) hashing maps a key to a worker: adding or rem
 moves only the keys it gains or loses, and every router replica agrees without talking. When
 the affinity worker is much busier than the least-loaded one, load wins.
 
+A request under a LoRA adapter goes only to workers that serve adapters, and to one that holds
+its adapter already unless every holder is much busier (by the same load gap) than the least
+loaded: then that one loads it. Among holders prefix affinity picks as above, with the
+adapter's name in the key (each adapter's KV is cached apart).
+
 Pure functions over worker states; nothing here keeps state between calls.
 """
 
@@ -46,15 +51,26 @@ class BalancerConfig:
     max_load_gap: float = 0.25
 
 
+@dataclass(frozen=True)
+class LoRAPlacement:
+    """Where a request's LoRA adapter can run: workers that serve adapters, and those of them
+    that hold this one."""
+
+    name: str
+    capable: frozenset[str]
+    holders: frozenset[str]
+
+
 def affinity_key(prompt_token_ids: Sequence[int], block_size: int,
-                 affinity_blocks: int) -> bytes | None:
-    """Digest of the prompt's first full blocks (up to affinity_blocks); None when the prompt
-    has no full block, since only full blocks are cached."""
+                 affinity_blocks: int, salt: str = "") -> bytes | None:
+    """Digest of the prompt's first full blocks (up to affinity_blocks) and `salt` (the LoRA
+    adapter); None when the prompt has no full block, since only full blocks are cached."""
     num_blocks = min(len(prompt_token_ids) // block_size, affinity_blocks)
     if num_blocks == 0:
         return None
     prefix = prompt_token_ids[:num_blocks * block_size]
-    return hashlib.blake2b(struct.pack(f"<{len(prefix)}q", *prefix), digest_size=16).digest()
+    return hashlib.blake2b(struct.pack(f"<{len(prefix)}q", *prefix) + salt.encode(),
+                           digest_size=16).digest()
 
 
 def affinity_worker(key: bytes, workers: Sequence[W]) -> W:
@@ -74,17 +90,30 @@ def load(worker: WorkerState, kv_usage: float = 0.0) -> float:
 
 def choose_worker(candidates: Sequence[W], prompt_token_ids: Sequence[int],
                   config: BalancerConfig = BalancerConfig(),
-                  kv_usage: Mapping[str, float] | None = None) -> W | None:
+                  kv_usage: Mapping[str, float] | None = None,
+                  lora: LoRAPlacement | None = None) -> W | None:
     """Picks the worker for a prompt among candidates (those it fits on); None if there are none.
 
-    kv_usage maps worker id to used / total KV blocks from its latest load report.
+    kv_usage maps worker id to used / total KV blocks from its latest load report; `lora`: the
+    request's adapter, and where it can run.
     """
+    if lora is not None:
+        candidates = [w for w in candidates if w.worker_id in lora.capable]
     if not candidates:
         return None
     kv_usage = kv_usage or {}
     loads = {w.worker_id: load(w, kv_usage.get(w.worker_id, 0.0)) for w in candidates}
     least_loaded = min(candidates, key=lambda w: (loads[w.worker_id], w.worker_id))
-    key = affinity_key(prompt_token_ids, config.block_size, config.affinity_blocks)
+    if lora is not None:
+        holders = [w for w in candidates if w.worker_id in lora.holders]
+        if not holders:
+            return least_loaded
+        best = min(holders, key=lambda w: (loads[w.worker_id], w.worker_id))
+        if loads[best.worker_id] - loads[least_loaded.worker_id] > config.max_load_gap:
+            return least_loaded
+        candidates, least_loaded = holders, best
+    key = affinity_key(prompt_token_ids, config.block_size, config.affinity_blocks,
+                       lora.name if lora is not None else "")
     if key is None:
         return least_loaded
     preferred = affinity_worker(key, candidates)

@@ -14,7 +14,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from common.metrics import PREEMPTION_MODES, ROUTER_REJECT_REASONS, RouterMetrics
+from common.metrics import PREEMPTION_MODES, ROUTER_REJECT_REASONS, ROUTER_SWAP_REASONS, RouterMetrics
 
 log = logging.getLogger("pagedserve.router")
 
@@ -22,6 +22,8 @@ log = logging.getLogger("pagedserve.router")
 _SERIES: dict[str, Callable[[RouterMetrics], None]] = {
     **{f"rejected_{reason}": (lambda m, r=reason: m.rejected(r)) for reason in ROUTER_REJECT_REASONS},
     **{f"preemptions_{mode}": (lambda m, p=mode: m.preempted(p)) for mode in PREEMPTION_MODES},
+    **{f"swap_outs_{reason}": (lambda m, r=reason: m.swapped_out(r)) for reason in ROUTER_SWAP_REASONS},
+    **{f"swap_ins_{reason}": (lambda m, r=reason: m.swapped_in(r)) for reason in ROUTER_SWAP_REASONS},
     "migrations": RouterMetrics.migrated,
     "redispatches": RouterMetrics.redispatched,
     "workers_lost": RouterMetrics.worker_lost,
@@ -41,6 +43,8 @@ class RouterCounters:
     preemptions_recompute: int = 0  # PREEMPTED events with mode RECOMPUTE (including drains)
     redispatches: int = 0           # choices resubmitted after their worker was lost or drained
     migrations: int = 0             # choices moved by the router's own choice after a preemption
+    swap_outs_priority: int = 0     # choices the router took off a GPU for a more urgent request
+    swap_ins_priority: int = 0      # of those, choices that run again
     workers_lost: int = 0           # worker sessions that ended while the worker was in use
     # The Prometheus series, once the model's name is known; None before.
     metrics: RouterMetrics | None = field(default=None, repr=False, compare=False)

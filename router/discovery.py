@@ -1,9 +1,11 @@
-"""Where the workers are: addresses given as is, or DNS names re-resolved every few seconds.
+"""Where the workers are: addresses given as is, or names looked up again every few seconds.
 
-A target is "host:port", one worker at that address, or "dns:host:port" (also spelt
+A target is "host:port", one worker at that address; "dns:host:port" (also spelt
 "dns:///host:port", as in gRPC target names), every address the name resolves to being a worker:
-a Kubernetes headless Service resolves to one A record per ready pod. Names are re-resolved
-every refresh_s seconds and the changes reach a callback as added and removed addresses.
+a Kubernetes headless Service resolves to one A record per ready pod; or
+"k8s:service[.namespace]:port", every ready endpoint of the Service's EndpointSlices, from the
+Kubernetes API (router.endpoint_slices). Names are looked up every refresh_s seconds and the
+changes reach a callback as added and removed addresses.
 """
 
 from __future__ import annotations
@@ -12,12 +14,15 @@ import asyncio
 import ipaddress
 import logging
 import socket
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
+
+from router.endpoint_slices import ApiServer, EndpointSlices
 
 log = logging.getLogger(__name__)
 
 # Resolves (host, port) to worker addresses ("ip:port"); raises OSError when it cannot tell.
+# One per scheme of target: "dns", "k8s".
 Resolver = Callable[[str, int], Awaitable[set[str]]]
 
 # Called with (added, removed) addresses whenever the set of workers changes.
@@ -26,6 +31,8 @@ ChangeCallback = Callable[[set[str], set[str]], None]
 # getaddrinfo errors that answer "this name has no addresses", as opposed to "could not find out".
 _NO_ADDRESSES = {socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)}
 
+SCHEMES = ("dns", "k8s")
+
 
 @dataclass(frozen=True)
 class Target:
@@ -33,19 +40,23 @@ class Target:
 
     host: str
     port: int
-    dns: bool  # resolve host to every worker behind it, and keep re-resolving
+    # How host names its workers, looked up again at every refresh: "dns" (every address it
+    # resolves to), "k8s" (a Service's ready endpoints); "": host is one worker's address.
+    scheme: str = ""
 
 
 def parse_target(spec: str) -> Target:
-    """Parses "host:port", "[ipv6]:port", "dns:host:port" or "dns:///host:port"."""
-    dns = spec.startswith("dns:")
-    address = spec.removeprefix("dns:").removeprefix("///")
-    host, colon, port = address.rpartition(":")
+    """Parses "host:port", "[ipv6]:port", "dns:host:port", "k8s:service.namespace:port" (each
+    scheme also as "scheme:///...")."""
+    scheme, colon, rest = spec.partition(":")
+    if scheme not in SCHEMES or not colon:
+        scheme, rest = "", spec
+    host, colon, port = rest.removeprefix("///").rpartition(":")
     host = host.removeprefix("[").removesuffix("]")
     if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"worker target {spec!r} is invalid: expected host:port or "
-                         "dns:host:port with a port in [1, 65535]")
-    return Target(host, int(port), dns)
+        raise ValueError(f"worker target {spec!r} is invalid: expected host:port, dns:host:port "
+                         "or k8s:service.namespace:port with a port in [1, 65535]")
+    return Target(host, int(port), scheme)
 
 
 def format_address(host: str, port: int) -> str:
@@ -76,16 +87,27 @@ async def resolve(host: str, port: int) -> set[str]:
     return {format_address(ip, port) for ip in ipv4 or ipv6}
 
 
+def kubernetes_resolver(slices: EndpointSlices) -> Resolver:
+    """Resolves "service[.namespace]" to the addresses of the Service's ready endpoints."""
+    async def resolve_service(name: str, port: int) -> set[str]:
+        return {format_address(ip, port) for ip in await slices.ready_ips(name)}
+    return resolve_service
+
+
 class Discovery:
     """Keeps the set of worker addresses current and reports its changes."""
 
     def __init__(self, targets: Sequence[str], on_change: ChangeCallback,
-                 refresh_s: float = 10.0, resolver: Resolver = resolve) -> None:
+                 refresh_s: float = 10.0, resolvers: Mapping[str, Resolver] | None = None) -> None:
+        """`resolvers`: by scheme; default: DNS, and this pod's Kubernetes API (which it
+        checks for now, when a target needs it: ValueError outside a pod)."""
         parsed = [parse_target(spec) for spec in targets]
-        self._static = {format_address(t.host, t.port) for t in parsed if not t.dns}
-        self._names = [t for t in parsed if t.dns]
+        self._static = {format_address(t.host, t.port) for t in parsed if not t.scheme}
+        self._names = [t for t in parsed if t.scheme]
         self._on_change = on_change
-        self._resolver = resolver
+        self._resolvers = {"dns": resolve, **(resolvers or {})}
+        if "k8s" not in self._resolvers and any(t.scheme == "k8s" for t in self._names):
+            self._resolvers["k8s"] = kubernetes_resolver(EndpointSlices(ApiServer.in_cluster()))
         self.refresh_s = refresh_s
         self._resolved: dict[Target, set[str]] = {t: set() for t in self._names}
         self.addresses: frozenset[str] = frozenset()
@@ -105,12 +127,12 @@ class Discovery:
     async def refresh(self) -> None:
         """Resolves the names once and reports any change. A name that fails to resolve keeps
         its last addresses: a DNS hiccup must not look like every worker leaving."""
-        results = await asyncio.gather(*(self._resolver(t.host, t.port) for t in self._names),
-                                       return_exceptions=True)
+        results = await asyncio.gather(*(self._resolvers[t.scheme](t.host, t.port)
+                                         for t in self._names), return_exceptions=True)
         for target, result in zip(self._names, results):
             if isinstance(result, OSError):
-                log.warning("resolving worker target %s:%s failed, keeping %d known "
-                            "addresses: %s", target.host, target.port,
+                log.warning("resolving worker target %s:%s:%s failed, keeping %d known "
+                            "addresses: %s", target.scheme, target.host, target.port,
                             len(self._resolved[target]), result)
             elif isinstance(result, BaseException):
                 raise result

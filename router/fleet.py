@@ -1,7 +1,8 @@
 """The workers a router drives: one connection loop per discovered address.
 
 Each loop connects (Info, then a Session), makes the worker known to admission with a budget of
-its KV capacity, waits for the session to end, and connects again with exponential backoff, so a
+its KV capacity (shared with other router replicas as its load reports say: router.admission),
+waits for the session to end, and connects again with exponential backoff, so a
 worker that restarts at the same address comes back by itself. Discovery adds and removes
 addresses; a removed address's worker is disconnected.
 
@@ -18,9 +19,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from router.admission import Admission, WorkerBudget, WorkerChooser
-from router.balancer import BalancerConfig, choose_worker
+from router.balancer import BalancerConfig, LoRAPlacement, choose_worker
 from router.counters import RouterCounters
 from router.tokenizer import RouterTokenizer, tokenizer_for
+from common.tls import ClientTls
 from router.worker_client import WorkerClient, WorkerUnavailable
 
 log = logging.getLogger("pagedserve.router")
@@ -35,6 +37,7 @@ class FleetConfig:
     silence_timeout_s: float = 5.0
     affinity_blocks: int = 4          # prompt blocks hashed for prefix affinity
     max_load_gap: float = 0.25        # load difference past which the least-loaded worker wins
+    worker_tls: ClientTls | None = None  # dial the workers over TLS; None: in plaintext
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,9 @@ class Fleet:
         self._model: ModelSpec | None = None
         self._accepting: dict[str, bool] = {}  # as last told to admission
         self._changed = asyncio.Event()
+        # LoRA adapters loaded through this router, name -> path: loadable on any worker even
+        # before (or after) a worker reports holding them.
+        self.lora_paths: dict[str, str] = {}
 
     @property
     def model(self) -> ModelSpec | None:
@@ -111,8 +117,28 @@ class Fleet:
                 await self._changed.wait()
         await asyncio.wait_for(until(), timeout_s)
 
-    def chooser(self, prompt_token_ids: Sequence[int]) -> WorkerChooser:
-        """The admission chooser for a prompt: prefix affinity balanced against load."""
+    def lora_adapters(self) -> dict[str, tuple[str, list[str]]]:
+        """Every LoRA adapter a worker holds or this router loaded: name -> (path, the ids of
+        the workers holding it)."""
+        adapters: dict[str, tuple[str, list[str]]] = {name: (path, []) for name, path in self.lora_paths.items()}
+        for worker_id, client in self.workers.items():
+            for name, adapter in client.lora_adapters().items():
+                adapters.setdefault(name, (adapter.path, []))[1].append(worker_id)
+        return adapters
+
+    def lora_path(self, name: str) -> str | None:
+        """Where the adapter is read from, as the workers see it (None: unknown)."""
+        entry = self.lora_adapters().get(name)
+        return entry[0] if entry is not None else None
+
+    def _lora_placement(self, name: str) -> LoRAPlacement:
+        clients = self.workers.values()
+        return LoRAPlacement(name, frozenset(c.worker_id for c in clients if c.serves_lora),
+                             frozenset(c.worker_id for c in clients if c.holds_lora(name)))
+
+    def chooser(self, prompt_token_ids: Sequence[int], lora_name: str = "") -> WorkerChooser:
+        """The admission chooser for a prompt: prefix affinity balanced against load, and the
+        request's LoRA adapter's placement (router.balancer)."""
         balancer = BalancerConfig(block_size=self._model.block_size if self._model else 16,
                                   affinity_blocks=self.config.affinity_blocks,
                                   max_load_gap=self.config.max_load_gap)
@@ -120,11 +146,12 @@ class Fleet:
         def choose(fits: list[WorkerBudget]) -> WorkerBudget | None:
             # Read when called: a queued request is placed long after it asked.
             kv_usage = {worker_id: w.kv_usage for worker_id, w in self.workers.items()}
-            return choose_worker(fits, prompt_token_ids, balancer, kv_usage)
+            lora = self._lora_placement(lora_name) if lora_name else None
+            return choose_worker(fits, prompt_token_ids, balancer, kv_usage, lora)
         return choose
 
     def choose(self, prompt_token_ids: Sequence[int],
-               exclude: WorkerClient | None = None) -> WorkerClient | None:
+               exclude: WorkerClient | None = None, lora_name: str = "") -> WorkerClient | None:
         """An accepting worker for a request already admitted (re-dispatch), other than
         `exclude`, whether or not its budget has room: a running request must not wait."""
         def usable(budget: WorkerBudget) -> bool:
@@ -132,7 +159,7 @@ class Fleet:
             return budget.accepting and client is not None and client.accepting and (
                 client is not exclude)
         budgets = [b for b in self._admission.workers if usable(b)]
-        chosen = self.chooser(prompt_token_ids)(budgets) if budgets else None
+        chosen = self.chooser(prompt_token_ids, lora_name)(budgets) if budgets else None
         return self.workers[chosen.worker_id] if chosen is not None else None
 
     async def _link(self, address: str) -> None:
@@ -140,7 +167,8 @@ class Fleet:
         backoff = self.config.backoff_initial_s
         while True:
             client = WorkerClient(address, self.router_id, on_load=self._on_load,
-                                  silence_timeout_s=self.config.silence_timeout_s)
+                                  silence_timeout_s=self.config.silence_timeout_s,
+                                  tls=self.config.worker_tls)
             try:
                 info = await client.connect(self.config.connect_timeout_s)
                 tokenizer = (await asyncio.to_thread(tokenizer_for, info)
@@ -188,6 +216,7 @@ class Fleet:
         self.workers[info.worker_id] = client
         self._refresh_model()
         self._sync_admission(client)
+        self._on_load(client)  # the report that opened the session came before the worker joined
         log.info("worker joined", extra={
             "worker": info.worker_id, "address": client.address, "model": info.model_name,
             "kv_blocks": info.num_gpu_blocks, "block_size": info.block_size,
@@ -205,10 +234,14 @@ class Fleet:
         self._notify()
 
     def _on_load(self, client: WorkerClient) -> None:
-        if self.workers.get(client.worker_id) is client and (
-                self._accepting.get(client.worker_id) != client.accepting):
+        if self.workers.get(client.worker_id) is not client:
+            return
+        if self._accepting.get(client.worker_id) != client.accepting:
             self._sync_admission(client)
             self._notify()
+        load = client.load
+        self._admission.observe_load(client.worker_id, load.tokens_in_flight,
+                                     load.session_tokens_in_flight, load.num_sessions)
 
     def _sync_admission(self, client: WorkerClient) -> None:
         self._accepting[client.worker_id] = client.accepting

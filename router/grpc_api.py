@@ -86,6 +86,12 @@ class GrpcApi:
                                  pb.DetokenizeRequest, pb.DetokenizeResponse),
             "ModelInfo": method(grpc.unary_unary_rpc_method_handler, _unary(self.service.model_info),
                                 pb.ModelInfoRequest, pb.ModelInfoResponse),
+            "LoadLoRAAdapter": method(grpc.unary_unary_rpc_method_handler,
+                                      _unary(self.service.load_lora_adapter),
+                                      pb.LoadLoRAAdapterRequest, pb.LoadLoRAAdapterResponse),
+            "UnloadLoRAAdapter": method(grpc.unary_unary_rpc_method_handler,
+                                        _unary(self.service.unload_lora_adapter),
+                                        pb.UnloadLoRAAdapterRequest, pb.UnloadLoRAAdapterResponse),
         })
 
     async def generate(self, request: pb.GenerateRequest | _Unparsable,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -32,6 +33,7 @@ from router.openai_protocol import (
     chat_messages,
     chunk_choices,
     completion_json,
+    echoed,
     generate_requests,
     int_list,
     model_json,
@@ -108,6 +110,8 @@ class OpenAIApi:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model}", self.model)
+        app.router.add_post("/v1/load_lora_adapter", self.load_lora_adapter)
+        app.router.add_post("/v1/unload_lora_adapter", self.unload_lora_adapter)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/health", self.health)
@@ -226,6 +230,9 @@ class OpenAIApi:
                 "http.route": request.match_info.route.resource.canonical,
                 "url.path": request.path, "url.scheme": request.scheme}
         streams = [self.service.stream(r, parent, call) for r in grpc_requests]
+        if not chat and body_field(body, "echo", (bool,), False):
+            streams = [echoed(s, functools.partial(self._prompt_text, r), n, params.HasField("logprobs"))
+                       for s, r in zip(streams, grpc_requests)]
         # aclosing: when the client goes away (its handler is cancelled) the stream is closed at
         # once, which aborts the request on its worker or takes it out of the admission queue.
         async with contextlib.aclosing(streams[0] if len(streams) == 1 else _merged(streams, n)) as responses:
@@ -249,6 +256,14 @@ class OpenAIApi:
             except ApiError as error:
                 raise HttpError.from_api(error, names) from None
         return web.json_response(completion_json(meta, acc))
+
+    async def _prompt_text(self, request: pb.GenerateRequest) -> str:
+        """A completion prompt as text, to echo: a token-id prompt decoded, special tokens kept."""
+        if request.WhichOneof("input") == "text":
+            return request.text
+        decoded = await self.service.detokenize(pb.DetokenizeRequest(
+            model=request.model, token_ids=request.token_ids.ids, skip_special_tokens=False))
+        return decoded.text
 
     async def _sse(self, request: web.Request, meta: dict, responses: AsyncIterator[pb.GenerateResponse], *,
                    chat: bool, n: int, want_logprobs: bool, include_usage: bool,
@@ -287,15 +302,42 @@ class OpenAIApi:
     # ---------------------------------------------------------------- the rest
 
     async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": await self._model_list()})
+
+    async def _model_list(self) -> list[dict]:
         served = self._served()
-        return web.json_response({"object": "list", "data": [model_json(name, served.max_model_len) for name in served.names]})
+        info = await self.service.model_info(pb.ModelInfoRequest())
+        return [model_json(name, served.max_model_len) for name in served.names] + [
+            model_json(a.name, served.max_model_len, parent=a.parent, root=a.path) for a in info.lora_adapters]
 
     async def model(self, request: web.Request) -> web.Response:
-        served, name = self._served(), request.match_info["model"]
-        if name not in served.names:
-            raise HttpError(404, f"model {name!r} is not served here; served: {', '.join(served.names)}",
+        name = request.match_info["model"]
+        models = {m["id"]: m for m in await self._model_list()}
+        if name not in models:
+            raise HttpError(404, f"model {name!r} is not served here; served: {', '.join(models)}",
                             "model", code="model_not_found")
-        return web.json_response(model_json(name, served.max_model_len))
+        return web.json_response(models[name])
+
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        """vLLM's `POST /v1/load_lora_adapter {"lora_name", "lora_path"}`: plain text on success."""
+        body = await self._body(request)
+        load = pb.LoadLoRAAdapterRequest(lora_name=body_field(body, "lora_name", (str,), ""),
+                                         lora_path=body_field(body, "lora_path", (str,), ""))
+        try:
+            await self.service.load_lora_adapter(load)
+        except ApiError as error:
+            raise HttpError.from_api(error) from None
+        return web.Response(text=f"Success: LoRA adapter '{load.lora_name}' added successfully.")
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        """vLLM's `POST /v1/unload_lora_adapter {"lora_name"}`; waits for its requests to end."""
+        body = await self._body(request)
+        unload = pb.UnloadLoRAAdapterRequest(lora_name=body_field(body, "lora_name", (str,), ""))
+        try:
+            await self.service.unload_lora_adapter(unload)
+        except ApiError as error:
+            raise HttpError.from_api(error) from None
+        return web.Response(text=f"Success: LoRA adapter '{unload.lora_name}' removed successfully.")
 
     async def tokenize(self, request: web.Request) -> web.Response:
         body = await self._body(request)

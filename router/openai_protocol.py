@@ -9,8 +9,10 @@ checked once for both APIs by `router.requests`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -22,6 +24,7 @@ from router.tool_calls import StreamedCalls, ToolCallError, ToolCalling, tool_ca
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.UNAUTHENTICATED: 401,
     grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.FAILED_PRECONDITION: 400,
     grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DEADLINE_EXCEEDED: 504,
 }
 # OpenAI's error types; 5xx are all "server_error". `code` is a string or null, as in OpenAI's
@@ -57,7 +60,7 @@ class HttpError(Exception):
             param = http_field(error.field, names)
             if message.startswith(error.field):
                 message = param + message[len(error.field):]
-        elif error.code == grpc.StatusCode.NOT_FOUND:     # the only NOT_FOUND: an unknown model
+        elif error.code == grpc.StatusCode.NOT_FOUND:     # else an unknown model
             param, code = "model", "model_not_found"
         return cls(HTTP_STATUS.get(error.code, 500), message, param, error.retry_after_s, code)
 
@@ -80,6 +83,8 @@ def names_for(body: dict, *, chat: bool) -> dict[str, str]:
     names = CHAT_NAMES if chat else HTTP_NAMES
     if chat and body.get("max_completion_tokens") is not None:
         names = names | {"params.max_tokens": "max_completion_tokens"}
+    if not chat and body.get("echo"):      # an echoed prompt's logprobs are what logprobs asked
+        names = names | {"params.prompt_logprobs": "logprobs"}
     # The constraint, as the body gave it: a compile error names the field the client wrote.
     if isinstance(body.get("response_format"), dict):
         names = names | {"params.structured_output.json_schema": "response_format.json_schema.schema",
@@ -137,6 +142,15 @@ def int_list(values: list, name: str) -> list[int]:
         if not isinstance(value, int) or isinstance(value, bool):
             raise HttpError(400, f"{name} must be an array of integers", name)
         _check_int(value, f"{name}[{i}]")
+    return values
+
+
+def string_list(values: list, name: str) -> list[str]:
+    """An array of strings (each encodable text)."""
+    for i, value in enumerate(values):
+        if not isinstance(value, str):
+            raise HttpError(400, f"{name} must be an array of strings", name)
+        _check_text(value, f"{name}[{i}]")
     return values
 
 
@@ -217,7 +231,11 @@ def sampling_parameters(body: dict, *, chat: bool) -> pb.SamplingParameters:
     if best_of is not None and best_of != (p.n if p.HasField("n") else 1):
         raise HttpError(400, "best_of is not supported (it must equal n)", "best_of")
     if not chat and body_field(body, "echo", (bool,), False):
-        raise HttpError(400, "echo=true is not supported", "echo")
+        # The echoed prompt carries its tokens' logprobs when logprobs are asked for. A prompt
+        # echoed with max_tokens 0 is scored, not continued: that is what prompt_logprobs is
+        # for on gRPC, so it gets them (top 0) even when only its text is shown.
+        if p.HasField("logprobs") or (p.HasField("max_tokens") and p.max_tokens == 0):
+            p.prompt_logprobs = p.logprobs
     for key, bias in body_field(body, "logit_bias", (dict,), {}).items():
         # JSON object keys are strings: OpenAI's are token ids written as integers.
         if not (key.lstrip("-").isdigit() and isinstance(bias, (int, float)) and not isinstance(bias, bool)):
@@ -227,6 +245,12 @@ def sampling_parameters(body: dict, *, chat: bool) -> pb.SamplingParameters:
         _check_int(token, f"logit_bias[{key}]")
         p.logit_bias[token] = _as_float(bias, "logit_bias") if isinstance(bias, int) else bias
     p.allowed_token_ids.extend(int_list(body_field(body, "allowed_token_ids", (list,), []), "allowed_token_ids"))
+    p.bad_words.extend(string_list(body_field(body, "bad_words", (list,), []), "bad_words"))
+    p.logits_processors.extend(string_list(body_field(body, "logits_processors", (list,), []),
+                                           "logits_processors"))
+    extra_args = body_field(body, "vllm_xargs", (dict,))       # vLLM's name for extra_args
+    if extra_args is not None:
+        p.extra_args.update(extra_args)
     _refuse_unsupported(body, chat=chat)
     constraint = structured_output(body)
     if chat and (calling := tool_calls_of(body)) is not None:
@@ -423,9 +447,10 @@ def _completion_logprobs(entries, text_offset: int) -> dict:
     tokens, token_logprobs, top, offsets = [], [], [], []
     for entry in entries:
         tokens.append(entry.sampled.text)
-        token_logprobs.append(entry.sampled.logprob)
+        known = entry.sampled.HasField("logprob")      # not the first token of an echoed prompt
+        token_logprobs.append(entry.sampled.logprob if known else None)
         # OpenAI lists the sampled token among the top ones even when it ranks lower.
-        top.append(_top_by_text([*entry.top, entry.sampled]))
+        top.append(_top_by_text([*entry.top, entry.sampled]) if known else None)
         offsets.append(text_offset)
         text_offset += len(entry.sampled.text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
@@ -496,9 +521,11 @@ def usage_json(usage: pb.Usage | None) -> dict:
 
 
 
-def model_json(name: str, max_model_len: int) -> dict:
+def model_json(name: str, max_model_len: int, parent: str | None = None, root: str | None = None) -> dict:
+    """A /v1/models entry; a LoRA adapter has its base model as `parent` and its path as `root`,
+    as vLLM lists them."""
     return {"id": name, "object": "model", "created": 0, "owned_by": "pagedserve",
-            "max_model_len": max_model_len}
+            "root": root or name, "parent": parent, "max_model_len": max_model_len}
 
 
 def response_meta(request_id: str, model: str, *, chat: bool) -> dict:
@@ -543,6 +570,34 @@ def chunk_choices(response: pb.GenerateResponse, *, chat: bool, want_logprobs: b
         if c.text or c.finish_reason or logprobs:
             choices.append(choice)
     return choices
+
+
+async def echoed(responses: AsyncIterator[pb.GenerateResponse], prompt_text: Callable[[], Awaitable[str]],
+                 n: int, with_logprobs: bool) -> AsyncIterator[pb.GenerateResponse]:
+    """One prompt's completion stream with the prompt echoed (OpenAI's `echo`): each of its `n`
+    choices starts with the prompt's text and, `with_logprobs`, its tokens' logprobs (the
+    stream's prompt_logprobs; the first token's are null). Those all arrive before choice 0's
+    first token, but another choice may come sooner: what comes is held until the echo is out.
+    Closing it closes `responses` (which aborts the request)."""
+    async with contextlib.aclosing(responses):
+        first = await anext(responses)      # admitted, or the request's error before any output
+        yield first
+        text = await prompt_text()
+        entries, held = [], []
+        if with_logprobs:
+            async for response in responses:
+                entries.extend(response.prompt_logprobs)
+                response.ClearField("prompt_logprobs")
+                if response.choices or response.HasField("usage"):
+                    held.append(response)
+                if len(entries) == first.usage.prompt_tokens:
+                    break
+        yield pb.GenerateResponse(request_id=first.request_id, choices=[
+            pb.ChoiceDelta(index=i, text=text, logprobs=entries) for i in range(n)])
+        for response in held:
+            yield response
+        async for response in responses:
+            yield response
 
 
 def naming_prompt(error: ApiError, prompt: int) -> ApiError:

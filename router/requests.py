@@ -33,12 +33,26 @@ class ServedModel:
     max_model_len: int
     vocab_size: int
     tokenizer: RouterTokenizer | None   # None: token ids only (see router.fleet.ModelSpec)
+    lora_adapters: frozenset[str] = frozenset()   # LoRA adapters, each a model name of its own
 
     def check_name(self, model: str) -> None:
         """Empty means the default; any other name must be served (NOT_FOUND otherwise)."""
-        if model and model not in self.names:
+        if model and model not in self.names and model not in self.lora_adapters:
             raise ApiError(grpc.StatusCode.NOT_FOUND,
-                           f"model {model!r} is not served here; served: {', '.join(self.names)}")
+                           f"model {model!r} is not served here; served: "
+                           f"{', '.join([*self.names, *sorted(self.lora_adapters)])}")
+
+    def lora_name(self, model: str, lora_name: str = "") -> str:
+        """The LoRA adapter a request selects, by its dedicated field or by `model` (as OpenAI
+        clients name a fine-tune); "" for the base model. NOT_FOUND for an unknown adapter."""
+        if lora_name and lora_name not in self.lora_adapters:
+            raise ApiError(grpc.StatusCode.NOT_FOUND,
+                           f"LoRA adapter {lora_name!r} is not loaded; loaded: "
+                           f"{', '.join(sorted(self.lora_adapters)) or 'none'}", field="lora_name")
+        if lora_name and model and model not in self.names and model != lora_name:
+            raise invalid_argument(f"model {model!r} and lora_name {lora_name!r} disagree: name the "
+                                   f"adapter in one of them, or the base model in `model`", "lora_name")
+        return lora_name or (model if model in self.lora_adapters and model not in self.names else "")
 
 
 @dataclass(frozen=True)
@@ -56,6 +70,7 @@ class PreparedRequest:
     # The client's, minus n and stop, with max_tokens resolved (see submit_params).
     worker_params: pb.SamplingParameters
     max_tokens_set: bool = True     # by the client; else the default (see reserved_tokens)
+    lora_name: str = ""             # the LoRA adapter it runs under ("": the base model)
 
     @property
     def n(self) -> int:
@@ -71,12 +86,16 @@ class PreparedRequest:
                   else min(self.params.max_tokens, UNSET_MAX_TOKENS_RESERVATION))
         return reservation_tokens(len(self.prompt_token_ids), output, self.n)
 
-    def submit_params(self, choice: int) -> pb.SamplingParameters:
+    def submit_params(self, choice: int, prompt_logprobs: bool = True) -> pb.SamplingParameters:
         """What a worker gets for one choice: n left unset (one sequence per Submit), stop strings
-        left out (the router applies them) and the choice's own seed."""
+        left out (the router applies them) and the choice's own seed. Prompt logprobs are the
+        request's, asked of choice 0 only, and not again once `prompt_logprobs` is False (all
+        received)."""
         params = pb.SamplingParameters()
         params.CopyFrom(self.worker_params)
         params.seed = choice_seed(self.params.seed, choice)
+        if choice or not prompt_logprobs:
+            params.ClearField("prompt_logprobs")
         return params
 
 
@@ -101,6 +120,7 @@ def loggable_request_id(request_id: str) -> str:
 def prepare_generate(request: pb.GenerateRequest, model: ServedModel) -> PreparedRequest:
     """Checks a Generate request and tokenizes its prompt; raises ApiError."""
     model.check_name(request.model)
+    lora_name = model.lora_name(request.model, request.lora_name)
     if problem := request_id_problem(request.request_id):
         raise invalid_argument(problem, "request_id")
     for i, stop in enumerate(request.params.stop):
@@ -130,7 +150,7 @@ def prepare_generate(request: pb.GenerateRequest, model: ServedModel) -> Prepare
         include_stop_str_in_output=request.include_stop_str_in_output,
         skip_special_tokens=(request.skip_special_tokens
                              if request.HasField("skip_special_tokens") else True),
-        priority=request.priority, worker_params=submit)
+        priority=request.priority, worker_params=submit, lora_name=lora_name)
 
 
 def encode_prompt(request: pb.GenerateRequest | pb.TokenizeRequest,
@@ -187,6 +207,9 @@ def _sampling_params(request: pb.GenerateRequest, prompt_tokens: int,
     if params.max_tokens > room:
         raise invalid_argument(_context_exceeded(request, prompt_tokens, params.max_tokens, model),
                                "params.max_tokens")
+    if params.bad_words and model.tokenizer is None:
+        raise invalid_argument(f"params.bad_words: the model {model.names[0]} is served without a "
+                               "tokenizer, so there are no words to ban", "params.bad_words")
     if params.structured_output is not None:
         if model.tokenizer is None:
             raise invalid_argument(f"params.structured_output: the model {model.names[0]} is served "

@@ -43,6 +43,7 @@ from router.fleet import Fleet, FleetConfig
 from router.generate import RunConfig
 from router.grpc_api import SERVICE_NAME, GrpcApi
 from router.openai_api import OpenAIApi
+from router.preemption import PreemptionConfig, PriorityPreemption
 from router.service import GenerationService
 
 log = logging.getLogger("pagedserve.router")
@@ -62,6 +63,7 @@ class RouterConfig:
     admission: AdmissionConfig = AdmissionConfig()
     fleet: FleetConfig = FleetConfig()
     run: RunConfig = RunConfig()
+    preemption: PreemptionConfig = PreemptionConfig()
     max_request_bytes: int = MAX_REQUEST_BYTES
     discovery_refresh_s: float = 10.0
     shutdown_grace_s: float = 10.0  # how long running requests may finish on shutdown
@@ -84,6 +86,8 @@ class Router:
         self.config = config
         self.counters = RouterCounters()
         self.admission = Admission(config.admission)
+        self.preemption = (PriorityPreemption(self.admission, config.preemption)
+                           if config.preemption.enabled else None)
         self.registry = CollectorRegistry()  # this router's series only, no process collectors
         # The series are labelled with the served model's name: the configured one, or else
         # the one the first worker reports.
@@ -94,7 +98,7 @@ class Router:
             self._start_metrics(config.served_model_names[0])
         self.service = GenerationService(self.fleet, self.admission, self.counters,
                                          served_model_names=config.served_model_names,
-                                         run_config=config.run)
+                                         run_config=config.run, preemption=self.preemption)
         self._discovery = Discovery(config.workers, self.fleet.update,
                                     refresh_s=config.discovery_refresh_s)
         self._health = health.aio.HealthServicer()

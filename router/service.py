@@ -1,5 +1,5 @@
-"""The router's service, whatever the transport: Generate, Tokenize, Detokenize and ModelInfo
-over pagedserve.v1 messages, raising ApiError (a gRPC status code, a message naming the
+"""The router's service, whatever the transport: Generate, Tokenize, Detokenize, ModelInfo and
+the LoRA adapter RPCs (router.lora_adapters) over pagedserve.v1 messages, raising ApiError (a gRPC status code, a message naming the
 problem and the field it is about). Two entrances call it alike: `router.grpc_api` (the
 Generation service on grpc.aio) and `router.openai_api` (the OpenAI HTTP API).
 
@@ -42,6 +42,8 @@ from router.counters import RouterCounters
 from router.errors import ApiError, invalid_argument, unavailable
 from router.fleet import Fleet
 from router.generate import GenerateRun, RunConfig
+from router.preemption import PriorityPreemption
+from router.lora_adapters import LoRAAdapters
 from router.requests import (
     PreparedRequest,
     ServedModel,
@@ -62,23 +64,26 @@ class GenerationService:
     """The Generation service over a fleet of workers."""
 
     def __init__(self, fleet: Fleet, admission: Admission, counters: RouterCounters, *,
-                 served_model_names: Sequence[str] = (), run_config: RunConfig = RunConfig()
-                 ) -> None:
+                 served_model_names: Sequence[str] = (), run_config: RunConfig = RunConfig(),
+                 preemption: PriorityPreemption | None = None) -> None:
+        """`preemption`: the policy that may take requests off a GPU for more urgent ones."""
         self._fleet = fleet
         self._admission = admission
         self._counters = counters
         self._served_names = tuple(served_model_names)
         self._run_config = run_config
+        self._preemption = preemption
         self._dispatch_ids = itertools.count()
         self._running: set[asyncio.Task] = set()   # the tasks streaming a Generate (gRPC or HTTP)
         self._closing = False
+        self._lora = LoRAAdapters(fleet)
 
     def served_model(self) -> ServedModel:
         model = self._fleet.model
         if model is None:
             raise unavailable("no worker has connected yet, so the served model is unknown")
         return ServedModel(self._served_names or (model.name,), model.max_model_len,
-                           model.vocab_size, model.tokenizer)
+                           model.vocab_size, model.tokenizer, frozenset(self._fleet.lora_adapters()))
 
     # ---------------------------------------------------------------- Generate
 
@@ -160,7 +165,7 @@ class GenerationService:
         observed.admitted(queue_s, len(prepared.prompt_token_ids))
 
         run = GenerateRun(prepared, reservation, self._fleet, self._counters, self._run_config,
-                          self._next_dispatch_id, observed.span)
+                          self._next_dispatch_id, observed.span, self._preemption)
         outcome, level, reason, error_text = "finished", logging.INFO, "error", None
         try:
             async with contextlib.aclosing(run.responses()) as responses:
@@ -208,8 +213,8 @@ class GenerationService:
     async def _admit(self, prepared: PreparedRequest) -> Reservation:
         try:
             return await self._admission.reserve(
-                prepared.reserved_tokens, self._fleet.chooser(prepared.prompt_token_ids),
-                priority=prepared.priority)
+                prepared.reserved_tokens, self._fleet.chooser(prepared.prompt_token_ids, prepared.lora_name),
+                priority=prepared.priority, request_id=prepared.request_id)
         except Overloaded as error:
             raise ApiError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error),
                            retry_after_s=error.retry_after_s) from None
@@ -249,9 +254,16 @@ class GenerationService:
         model = self._fleet.model
         if model is None:
             return pb.ModelInfoResponse(model_names=self._served_names, ready_workers=ready)
-        return pb.ModelInfoResponse(model_names=self._served_names or (model.name,),
-                                    max_model_len=model.max_model_len,
-                                    vocab_size=model.vocab_size, ready_workers=ready)
+        names = self._served_names or (model.name,)
+        return pb.ModelInfoResponse(model_names=names, max_model_len=model.max_model_len,
+                                    vocab_size=model.vocab_size, ready_workers=ready,
+                                    lora_adapters=self._lora.infos(names[0]))
+
+    async def load_lora_adapter(self, request: pb.LoadLoRAAdapterRequest) -> pb.LoadLoRAAdapterResponse:
+        return await self._lora.load(request, self.served_model().names[0])
+
+    async def unload_lora_adapter(self, request: pb.UnloadLoRAAdapterRequest) -> pb.UnloadLoRAAdapterResponse:
+        return await self._lora.unload(request)
 
 
 class _Observed:
@@ -301,7 +313,8 @@ class _Observed:
             self.span.set_attributes(
                 tracing.request_attributes(self._operation, self._model, prepared.request_id,
                                            len(prepared.prompt_token_ids))
-                | tracing.sampling_attributes(prepared.params))
+                | tracing.sampling_attributes(prepared.params)
+                | ({"pagedserve.lora.name": prepared.lora_name} if prepared.lora_name else {}))
 
     def admitted(self, queue_s: float, prompt_tokens: int) -> None:
         if self._counters.metrics is not None:

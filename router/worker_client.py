@@ -5,18 +5,24 @@ single request iterator drains, so writes never interleave. One reader task demu
 comes back: every request delta and event goes to the inbox registered for its dispatch id, load
 reports replace `load`. When the stream ends, for whatever reason, every dispatch still
 registered gets a WorkerLost, and the client is finished for good: reconnecting makes a new one.
+
+LoRA adapters load with a unary RPC beside the session. A dispatch under an adapter the worker
+does not hold yet is registered at once and submitted once the load has succeeded (a failed
+load fails the dispatch like a worker refusal); concurrent dispatches share one load.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import grpc
 
 from common.pb import generation_pb2, worker_pb2, worker_pb2_grpc
+from common.tls import ClientTls
 
 log = logging.getLogger("pagedserve.router")
 
@@ -61,7 +67,9 @@ class WorkerClient:
     """The router's connection to one worker; see the module docstring."""
 
     def __init__(self, address: str, router_id: str, *, silence_timeout_s: float = 15.0,
-                 on_load: Callable[[WorkerClient], None] | None = None) -> None:
+                 on_load: Callable[[WorkerClient], None] | None = None,
+                 tls: ClientTls | None = None) -> None:
+        """`tls`: dial the worker over TLS (common.tls); None: in plaintext."""
         self.address = address
         self.router_id = router_id
         self.info: worker_pb2.InfoResponse | None = None
@@ -72,10 +80,14 @@ class WorkerClient:
         # even when TCP has not noticed (a partition, a frozen host).
         self._silence_timeout_s = silence_timeout_s
         self._on_load = on_load
+        self._tls = tls
         self._draining = False
         self._outbox: asyncio.Queue[worker_pb2.RouterMessage | None] = asyncio.Queue()
         self._dispatches: dict[str, _Registration] = {}
         self._channel: grpc.aio.Channel | None = None
+        self._stub: worker_pb2_grpc.WorkerStub | None = None
+        self._lora_loads: dict[str, asyncio.Task] = {}     # adapter name -> its load in progress
+        self._lora_loaded: dict[str, float] = {}           # adapter name -> when a load succeeded
         self._call: grpc.aio.StreamStreamCall | None = None
         self._reader: asyncio.Task | None = None
         self._closed = asyncio.Event()
@@ -104,11 +116,40 @@ class WorkerClient:
             return 0.0
         return self.load.used_blocks / self.load.total_blocks
 
+    @property
+    def serves_lora(self) -> bool:
+        return self.info is not None and self.info.max_loras > 0
+
+    def lora_adapters(self) -> dict[str, worker_pb2.LoRAAdapter]:
+        """The adapters the worker holds, by name, from its latest load report."""
+        return {a.name: a for a in self.load.lora_adapters} if self.load is not None else {}
+
+    def holds_lora(self, name: str) -> bool:
+        """Whether the worker holds the adapter: in its latest report, or loaded by this router
+        so recently that no report could say so yet."""
+        loaded = self._lora_loaded.get(name)
+        return name in self.lora_adapters() or (loaded is not None and time.monotonic() - loaded < 2.0)
+
+    async def load_lora(self, name: str, path: str, timeout_s: float = 300.0) -> worker_pb2.LoRAAdapter:
+        """Has the worker load the adapter (grpc.aio.AioRpcError on refusal)."""
+        adapter = await self._stub.LoadLoRAAdapter(
+            worker_pb2.LoadLoRAAdapterRequest(lora_name=name, lora_path=path), timeout=timeout_s)
+        self._lora_loaded[name] = time.monotonic()
+        return adapter
+
+    async def unload_lora(self, name: str, timeout_s: float = 600.0) -> None:
+        """Has the worker forget the adapter once its requests under it have finished."""
+        self._lora_loaded.pop(name, None)
+        await self._stub.UnloadLoRAAdapter(worker_pb2.UnloadLoRAAdapterRequest(lora_name=name),
+                                           timeout=timeout_s)
+
     async def connect(self, timeout_s: float) -> worker_pb2.InfoResponse:
         """Fetches Info and opens the session (Hello, then the worker's first load report).
         Raises WorkerUnavailable."""
-        self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
-        stub = worker_pb2_grpc.WorkerStub(self._channel)
+        self._channel = (grpc.aio.secure_channel(self.address, self._tls.credentials(),
+                                                 options=CHANNEL_OPTIONS + self._tls.channel_options())
+                         if self._tls else grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS))
+        stub = self._stub = worker_pb2_grpc.WorkerStub(self._channel)
         try:
             self.info = await stub.Info(worker_pb2.InfoRequest(), timeout=timeout_s)
             self._outbox.put_nowait(worker_pb2.RouterMessage(
@@ -131,18 +172,44 @@ class WorkerClient:
     def submit(self, dispatch_id: str, inbox: Inbox, tag: int, prompt_token_ids: Sequence[int],
                params: generation_pb2.SamplingParameters, priority: int = 0,
                output_token_ids: Sequence[int] = (),
-               trace_context: Mapping[str, str] | None = None) -> None:
+               trace_context: Mapping[str, str] | None = None,
+               lora: tuple[str, str] | None = None) -> None:
         """Sends a request; what the worker says about it arrives in `inbox`. On a worker that is
         already lost the inbox gets a WorkerLost at once. `trace_context` (W3C) makes the
-        worker's span for the request a child of the span it names."""
+        worker's span for the request a child of the span it names. `lora`: the (name, path)
+        of the adapter to run it under, loaded first if the worker does not hold it."""
         if not self.alive:
             inbox.put_nowait(Incoming(tag, dispatch_id, self,
                                       WorkerLost(self.lost_reason or "not connected")))
             return
         self._dispatches[dispatch_id] = _Registration(inbox, tag)
-        self._outbox.put_nowait(worker_pb2.RouterMessage(submit=worker_pb2.Submit(
+        message = worker_pb2.RouterMessage(submit=worker_pb2.Submit(
             request_id=dispatch_id, prompt_token_ids=prompt_token_ids, params=params,
-            priority=priority, output_token_ids=output_token_ids, trace_context=trace_context)))
+            priority=priority, output_token_ids=output_token_ids, trace_context=trace_context,
+            lora_name=lora[0] if lora else ""))
+        if lora is None or self.holds_lora(lora[0]):
+            self._outbox.put_nowait(message)
+        else:
+            asyncio.create_task(self._submit_after_load(dispatch_id, message, *lora))
+
+    async def _submit_after_load(self, dispatch_id: str, message: worker_pb2.RouterMessage,
+                                 name: str, path: str) -> None:
+        load = self._lora_loads.get(name)
+        if load is None:
+            log.info("loading LoRA adapter on demand", extra={"worker": self.worker_id, "lora": name})
+            load = self._lora_loads[name] = asyncio.create_task(self.load_lora(name, path))
+            load.add_done_callback(lambda _: self._lora_loads.pop(name, None))
+        try:
+            await asyncio.shield(load)
+        except grpc.aio.AioRpcError as error:
+            self._deliver(dispatch_id, worker_pb2.Event(
+                request_id=dispatch_id, kind=worker_pb2.EVENT_KIND_FAILED,
+                message=f"LoRA adapter {name!r} could not be loaded on worker {self.worker_id}: "
+                        f"{error.details()}"))
+            self.forget(dispatch_id)
+            return
+        if dispatch_id in self._dispatches and self.alive:     # not aborted or lost meanwhile
+            self._outbox.put_nowait(message)
 
     def forget(self, dispatch_id: str) -> None:
         """Stops delivering messages about a dispatch (the worker may still hold it)."""
@@ -157,6 +224,19 @@ class WorkerClient:
         if self.alive and dispatch_ids:
             self._outbox.put_nowait(worker_pb2.RouterMessage(
                 abort=worker_pb2.Abort(request_ids=dispatch_ids, stop_string=stop_string)))
+
+    def swap_out(self, dispatch_ids: Sequence[str]) -> None:
+        """Asks the worker to swap dispatches out and keep them out until swap_in; each gets a
+        PREEMPTED event saying how (RECOMPUTE where its swap space ran out)."""
+        if self.alive and dispatch_ids:
+            self._outbox.put_nowait(worker_pb2.RouterMessage(
+                swap_out=worker_pb2.SwapOut(request_ids=dispatch_ids)))
+
+    def swap_in(self, dispatch_ids: Sequence[str]) -> None:
+        """Lets dispatches held by swap_out run again (RESUMED once they are back on the GPU)."""
+        if self.alive and dispatch_ids:
+            self._outbox.put_nowait(worker_pb2.RouterMessage(
+                swap_in=worker_pb2.SwapIn(request_ids=dispatch_ids)))
 
     def drain(self) -> None:
         """Asks the worker to hand back every request and admit no more."""

@@ -251,3 +251,116 @@ def test_reservation_moved_to_another_worker_is_released_there():
         reservation.release()  # idempotent
         assert_nothing_reserved(admission)
     asyncio.run(scenario())
+
+
+# Sharing a worker with other router replicas
+
+def test_a_replica_alone_on_a_worker_may_reserve_all_the_room_the_report_leaves():
+    async def scenario():
+        admission = admission_with(100)
+        admission.observe_load("w0", tokens_in_flight=0, own_tokens_in_flight=0, num_sessions=1)
+        assert (await admission.reserve(100, first)).tokens == 100
+    asyncio.run(scenario())
+
+
+def test_a_replica_claims_only_its_share_of_the_room_others_leave_until_the_next_report():
+    async def scenario():
+        admission = admission_with(100)
+        # Another replica holds 20: 80 are left, and this replica's half of them is 40.
+        admission.observe_load("w0", tokens_in_flight=20, own_tokens_in_flight=0, num_sessions=2)
+        await admission.reserve(30, first)
+        waiter = await start_waiting(admission, 20)
+        # The next report counts this replica's 30: its share is half of the 50 left.
+        admission.observe_load("w0", tokens_in_flight=50, own_tokens_in_flight=30, num_sessions=2)
+        assert (await waiter).tokens == 20
+        assert admission.workers[0].free_tokens == 5
+    asyncio.run(scenario())
+
+
+def test_what_a_replica_releases_it_may_reserve_again_before_the_next_report():
+    async def scenario():
+        admission = admission_with(100)
+        admission.observe_load("w0", tokens_in_flight=0, own_tokens_in_flight=0, num_sessions=2)
+        held = await admission.reserve(50, first)
+        held.release()
+        assert (await admission.reserve(50, first)).tokens == 50
+    asyncio.run(scenario())
+
+
+def test_a_request_larger_than_a_share_takes_the_whole_room_once_per_report():
+    async def scenario():
+        admission = admission_with(100, 100)
+        for worker in ("w0", "w1"):
+            admission.observe_load(worker, tokens_in_flight=0, own_tokens_in_flight=0, num_sessions=2)
+        large = await admission.reserve(80, first)  # over the share of 50, within the room
+        assert large.worker_id == "w0"
+        second = await admission.reserve(20, first)  # w0 has claimed since its report: w1 takes it
+        assert second.worker_id == "w1"
+        third = await start_waiting(admission, 60)
+        admission.observe_load("w1", tokens_in_flight=20, own_tokens_in_flight=20, num_sessions=2)
+        assert (await third).worker_id == "w1"
+    asyncio.run(scenario())
+
+
+def test_room_other_replicas_hold_past_the_capacity_admits_nothing():
+    async def scenario():
+        admission = admission_with(100, max_wait_s=0.05)
+        admission.observe_load("w0", tokens_in_flight=130, own_tokens_in_flight=0, num_sessions=2)
+        with pytest.raises(Overloaded):
+            await admission.reserve(1, first)
+    asyncio.run(scenario())
+
+
+# Suspension (router.preemption)
+
+def test_a_suspended_reservation_gives_its_tokens_back_until_it_resumes():
+    async def scenario():
+        admission = admission_with(100)
+        victim = await admission.reserve(60, first, priority=5)
+        urgent_waiting = await start_waiting(admission, 50, priority=0)
+        victim.suspend()
+        urgent = await urgent_waiting
+        assert admission.workers[0].reserved_tokens == 50 and admission.num_admitted == 1
+        resuming = asyncio.create_task(victim.resume(first))
+        await asyncio.sleep(0)
+        assert not resuming.done() and admission.head.priority == 5
+        urgent.release()
+        await resuming
+        assert (victim.suspended, admission.workers[0].reserved_tokens) == (False, 60)
+        victim.release()
+        assert_nothing_reserved(admission)
+    asyncio.run(scenario())
+
+
+def test_a_resuming_reservation_keeps_its_place_ahead_of_later_arrivals_of_its_priority():
+    async def scenario():
+        admission = admission_with(100)
+        victim = await admission.reserve(60, first, priority=5)
+        victim.suspend()
+        blocker = await admission.reserve(100, first, priority=0)
+        later = await start_waiting(admission, 60, priority=5)
+        resuming = asyncio.create_task(victim.resume(first))
+        await asyncio.sleep(0)
+        blocker.release()
+        await resuming
+        assert not later.done()
+        victim.release()
+        (await later).release()
+        assert_nothing_reserved(admission)
+    asyncio.run(scenario())
+
+
+def test_releasing_a_reservation_while_it_waits_to_resume_leaves_nothing_behind():
+    async def scenario():
+        admission = admission_with(100)
+        victim = await admission.reserve(60, first, priority=5)
+        victim.suspend()
+        blocker = await admission.reserve(100, first)
+        resuming = asyncio.create_task(victim.resume(first))
+        await asyncio.sleep(0)
+        victim.release()
+        with pytest.raises(asyncio.CancelledError):
+            await resuming
+        blocker.release()
+        assert_nothing_reserved(admission)
+    asyncio.run(scenario())

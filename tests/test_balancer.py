@@ -70,3 +70,35 @@ def test_prompt_without_a_full_block_goes_to_least_loaded():
     workers = idle_workers(3)
     workers[0].reserved_tokens, workers[2].reserved_tokens = 500, 100
     assert choose_worker(workers, [1, 2, 3], BalancerConfig(block_size=16)) is workers[1]
+
+
+# LoRA adapter placement
+
+def test_an_adapter_request_goes_to_a_worker_holding_the_adapter():
+    from router.balancer import LoRAPlacement
+    workers = idle_workers(4)
+    lora = LoRAPlacement("sql", frozenset(w.worker_id for w in workers), frozenset({"worker-2"}))
+    assert {choose_worker(workers, prompt(seed), lora=lora).worker_id for seed in range(50)} == {"worker-2"}
+
+
+def test_an_adapter_request_goes_only_to_workers_that_serve_adapters():
+    from router.balancer import LoRAPlacement
+    workers = idle_workers(3)
+    lora = LoRAPlacement("sql", frozenset({"worker-1"}), frozenset())
+    assert {choose_worker(workers, prompt(seed), lora=lora).worker_id for seed in range(20)} == {"worker-1"}
+    assert choose_worker(workers[:1], prompt(0), lora=lora) is None
+
+
+def test_a_much_busier_holder_loses_the_request_to_the_least_loaded_worker():
+    from router.balancer import LoRAPlacement
+    busy, idle = WorkerBudget("busy", 1000, reserved_tokens=600), WorkerBudget("idle", 1000)
+    lora = LoRAPlacement("sql", frozenset({"busy", "idle"}), frozenset({"busy"}))
+    assert choose_worker([busy, idle], prompt(0), lora=lora).worker_id == "idle"
+    close = WorkerBudget("busy", 1000, reserved_tokens=100)
+    assert choose_worker([close, idle], prompt(0), lora=lora).worker_id == "busy"
+
+
+def test_the_adapter_is_part_of_the_prefix_affinity_key():
+    shared = prompt(0, length=64)
+    assert affinity_key(shared, 16, 4, "sql") != affinity_key(shared, 16, 4)
+    assert affinity_key(shared, 16, 4, "sql") == affinity_key(shared, 16, 4, "sql")

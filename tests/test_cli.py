@@ -43,6 +43,17 @@ def test_environment_variable_sets_a_flag_and_the_command_line_wins(monkeypatch)
     assert parse_serve(["--max-queue-len", "9"], monkeypatch).max_queue_len == 9
 
 
+def test_priority_preemption_is_on_by_default_and_its_flags_reach_the_router(monkeypatch):
+    from router.preemption import PreemptionConfig
+
+    def preemption(*flags):
+        args = parse_serve(["--role", "router", "--workers", "a:1", *flags], monkeypatch)
+        return cli._router_config(args, args.workers).preemption
+    assert preemption() == PreemptionConfig(enabled=True, min_run_s=1.0)
+    assert preemption("--no-preempt-for-priority", "--preemption-min-run", "2.5") == (
+        PreemptionConfig(enabled=False, min_run_s=2.5))
+
+
 def test_invalid_environment_variable_is_refused_naming_it(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         parse_serve([], monkeypatch, PAGEDSERVE_OVERCOMMIT="lots")
@@ -86,6 +97,20 @@ def test_serve_refuses_what_it_cannot_do(argv, message, capsys):
     with pytest.raises(SystemExit):
         cli.main(argv)
     assert message in capsys.readouterr().err
+
+
+def test_an_engine_flag_of_several_values_reaches_the_worker_of_serve_all_whole(monkeypatch):
+    specs = ["worker.length_temperature:LengthTemperature", "plugin:Other"]
+    env = cli._engine_env(parse_serve(["--logits-processors", *specs], monkeypatch))
+    worker = parse_serve(["--role", "worker"], monkeypatch,
+                         PAGEDSERVE_LOGITS_PROCESSORS=env["PAGEDSERVE_LOGITS_PROCESSORS"])
+    assert worker.logits_processors == specs
+
+
+def test_lora_modules_reach_the_worker_of_serve_all_whole(monkeypatch):
+    env = cli._engine_env(parse_serve(["--lora-modules", "sql=/a/sql", "poet=/a/poet"], monkeypatch))
+    worker = parse_serve(["--role", "worker"], monkeypatch, PAGEDSERVE_LORA_MODULES=env["PAGEDSERVE_LORA_MODULES"])
+    assert worker.lora_modules == [("sql", "/a/sql"), ("poet", "/a/poet")]
 
 
 def test_an_invalid_engine_environment_variable_is_refused_naming_it(monkeypatch, capsys):

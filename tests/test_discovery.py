@@ -1,4 +1,5 @@
-"""router.discovery: static and DNS worker targets."""
+"""router.discovery: static, DNS and Kubernetes (EndpointSlice) worker targets; the
+EndpointSlice lookup itself is tested against an API server in test_endpoint_slices."""
 
 import asyncio
 import socket
@@ -21,16 +22,18 @@ class Recorder:
 
 
 @pytest.mark.parametrize("spec, target", [
-    ("worker-0:50061", Target("worker-0", 50061, dns=False)),
-    ("[::1]:50061", Target("::1", 50061, dns=False)),
-    ("dns:workers.svc:50061", Target("workers.svc", 50061, dns=True)),
-    ("dns:///workers.svc:50061", Target("workers.svc", 50061, dns=True)),
+    ("worker-0:50061", Target("worker-0", 50061)),
+    ("[::1]:50061", Target("::1", 50061)),
+    ("dns:workers.svc:50061", Target("workers.svc", 50061, "dns")),
+    ("dns:///workers.svc:50061", Target("workers.svc", 50061, "dns")),
+    ("k8s:workers.serving:50061", Target("workers.serving", 50061, "k8s")),
+    ("k8s:///workers:50061", Target("workers", 50061, "k8s")),
 ])
-def test_parse_target_accepts_static_and_dns_forms(spec, target):
+def test_parse_target_accepts_static_dns_and_k8s_forms(spec, target):
     assert parse_target(spec) == target
 
 
-@pytest.mark.parametrize("spec", ["worker-0", "worker-0:http", ":50061", "dns:host:0"])
+@pytest.mark.parametrize("spec", ["worker-0", "worker-0:http", ":50061", "dns:host:0", "k8s:workers"])
 def test_parse_target_rejects_bad_target_naming_it(spec):
     with pytest.raises(ValueError, match="worker target"):
         parse_target(spec)
@@ -69,7 +72,7 @@ def test_dns_discovery_reports_added_and_removed():
             return {f"{ip}:{port}" for ip in records}
 
         changes = Recorder()
-        discovery = Discovery(["dns:workers.svc:7"], changes, resolver=resolver)
+        discovery = Discovery(["dns:workers.svc:7"], changes, resolvers={"dns": resolver})
         await discovery.refresh()
         records.discard("10.0.0.1")
         records.add("10.0.0.3")
@@ -91,7 +94,7 @@ def test_dns_failure_keeps_last_known_addresses():
             return {f"10.0.0.1:{port}"}
 
         changes = Recorder()
-        discovery = Discovery(["dns:workers.svc:7"], changes, resolver=resolver)
+        discovery = Discovery(["dns:workers.svc:7"], changes, resolvers={"dns": resolver})
         await discovery.refresh()
         failing = True
         await discovery.refresh()
@@ -121,7 +124,7 @@ def test_discovery_outlives_a_refresh_that_fails_unexpectedly(caplog):
 
         changes = Recorder()
         task = asyncio.create_task(Discovery(["dns:workers.svc:7"], changes, refresh_s=0.01,
-                                             resolver=resolver).run())
+                                             resolvers={"dns": resolver}).run())
         while len(changes.changes) < 2:
             await asyncio.sleep(0.01)
         task.cancel()

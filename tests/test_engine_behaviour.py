@@ -133,6 +133,42 @@ def test_ignore_eos_generates_all_max_tokens(engine, smollm_tokenizer):
     assert len(out) == 60
 
 
+def greedy_text(engine, tokenizer, prompt: str, **params) -> str:
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    return tokenizer.decode(generate(engine, [ids], greedy(16, **params))["r0"][0])
+
+
+def test_a_bad_word_of_one_token_is_kept_out_at_a_texts_start_and_after_a_space(engine, smollm_tokenizer):
+    assert greedy_text(engine, smollm_tokenizer, "The capital of France is").startswith(" Paris")
+    for prompt in ("The capital of France is", "The capital of France is:\n"):
+        assert "Paris" not in greedy_text(engine, smollm_tokenizer, prompt, bad_words=["Paris"])
+
+
+WIZARD = "Once upon a time, in a small village by the sea,"     # greedy: "... a wise old wizard named"
+
+
+def test_a_bad_word_of_several_tokens_is_kept_out(engine, smollm_tokenizer):
+    assert len(smollm_tokenizer.encode(" wizard", add_special_tokens=False)) == 2
+    assert "wizard" in greedy_text(engine, smollm_tokenizer, WIZARD)
+    assert "wizard" not in greedy_text(engine, smollm_tokenizer, WIZARD, bad_words=["wizard"])
+
+
+def test_bad_words_give_the_same_output_under_asynchronous_scheduling(engine, make_engine, smollm_tokenizer):
+    banned = greedy_text(engine, smollm_tokenizer, WIZARD, bad_words=["wizard", "old"])
+    assert greedy_text(make_engine(async_scheduling=True), smollm_tokenizer, WIZARD,
+                       bad_words=["wizard", "old"]) == banned
+
+
+def test_n_choices_get_the_prompt_logprobs_once_with_choice_0(engine, ids):
+    engine.add_request("p", ids[0], SamplingParams(n=2, temperature=1.0, seed=2, max_tokens=3, prompt_logprobs=1))
+    counts, tokens = [0, 0], [0, 0]
+    while engine.has_unfinished():
+        for out in engine.step():
+            counts[out.index] += len(out.prompt_logprobs or ())
+            tokens[out.index] += len(out.new_token_ids)
+    assert counts == [len(ids[0]) - 1, 0] and tokens == [3, 3]
+
+
 def test_logprobs_top_n_sorted_and_contain_greedy_choice(engine, ids):
     engine.add_request("l", ids[0], greedy(4, logprobs=5))
     outs = []
@@ -199,7 +235,7 @@ def test_duplicate_request_id_rejected(engine, ids):
     ("temperature", -0.5), ("top_p", 0.0), ("top_p", 1.5), ("top_k", 0), ("top_k", -2),
     ("min_p", 1.5), ("max_tokens", 0), ("min_tokens", -1), ("logprobs", 21), ("n", 0),
     ("presence_penalty", 3.0), ("frequency_penalty", -3.0), ("repetition_penalty", 0.0),
-    ("seed", -1), ("stop_token_ids", [10**7]),
+    ("seed", -1), ("stop_token_ids", [10**7]), ("prompt_logprobs", 21), ("bad_words", [" "]),
 ])
 def test_invalid_sampling_parameter_rejected_naming_it(engine, ids, field, value):
     with pytest.raises(InvalidRequest, match=f"^{field}="):

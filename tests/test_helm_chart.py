@@ -26,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from common.pb import worker_pb2, worker_pb2_grpc
 from launcher import cli
+from router.discovery import parse_target
 from worker.config import EngineConfig
 from worker.flags import engine_config_from_args
 from worker_process import REPO, WorkerProcess, free_port, submit
@@ -191,6 +192,8 @@ def test_schema_rejects_wrong_types_and_unknown_keys_naming_them(chart):
     ({"router": {"apiKey": {"value": "k", "existingSecret": "s"}}}, "not both"),
     ({"metrics": {"serviceMonitor": {"enabled": True}, "podMonitor": {"enabled": True}}},
      "serviceMonitor or podMonitor, not both"),
+    ({"tls": {"enabled": True}}, "tls.enabled needs tls.secretName"),
+    ({"router": {"gateway": {"enabled": True}}}, "router.gateway.enabled needs router.gateway.parentRefs"),
 ])
 def test_inconsistent_values_fail_saying_what_to_change(chart, values, message):
     with pytest.raises(helm.HelmRenderError, match=message.replace(".", r"\.")):
@@ -321,6 +324,43 @@ def test_router_discovery_target_is_the_workers_headless_service(defaults):
     assert worker_ports == {int(port)}
 
 
+def test_routers_can_find_the_workers_through_the_endpoint_slices_of_their_service(chart):
+    objects = render(chart, ci("kubernetes-discovery-values.yaml"))
+    target = parse_target(flags(container(objects, "router")["args"])["workers"])
+    service, namespace = target.host.split(".")
+    assert target.scheme == "k8s" and namespace == NAMESPACE
+    headless = next(o for o in objects if o["kind"] == "Service" and o["metadata"]["name"] == service)
+    assert headless["spec"]["clusterIP"] == "None"
+    assert workload(objects, "worker")["spec"]["serviceName"] == service
+    assert target.port == next(p["containerPort"] for p in container(objects, "worker")["ports"] if p["name"] == "grpc")
+
+
+def test_endpoint_slice_discovery_may_list_endpoint_slices_and_nothing_else(chart):
+    objects = render(chart, ci("kubernetes-discovery-values.yaml"))
+    role, binding = one(objects, "Role"), one(objects, "RoleBinding")
+    assert role["rules"] == [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list"]}]
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                  "name": role["metadata"]["name"]}
+    pod = workload(objects, "router")["spec"]["template"]["spec"]
+    account = one(objects, "ServiceAccount")["metadata"]["name"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account, "namespace": NAMESPACE}]
+    assert pod["serviceAccountName"] == account and pod["automountServiceAccountToken"] is True
+    # The workers get no token still.
+    assert workload(objects, "worker")["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
+
+
+def test_endpoint_slice_discovery_binds_a_service_account_of_yours(chart):
+    objects = render(chart, {"router": {"discoveryMode": "kubernetes", "serviceAccountName": "llm-router"}})
+    assert not [o for o in objects if o["kind"] == "ServiceAccount"]
+    assert one(objects, "RoleBinding")["subjects"][0]["name"] == "llm-router"
+    assert workload(objects, "router")["spec"]["template"]["spec"]["serviceAccountName"] == "llm-router"
+
+
+def test_dns_discovery_needs_no_kubernetes_api_access(defaults):
+    assert not [o for o in defaults if o["kind"] in ("ServiceAccount", "Role", "RoleBinding")]
+    assert workload(defaults, "router")["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
+
+
 def test_stopping_drains_within_the_grace_period(chart):
     """A worker's drain is its answer to SIGTERM, which the kubelet sends: no preStop hook, and
     a grace period covering the hand-back (5 s) and the exit. A router serves on through its
@@ -381,6 +421,22 @@ def test_model_from_a_host_path(chart):
     assert volume["hostPath"] == {"path": "/srv/models", "type": "Directory"}
 
 
+def test_lora_values_reach_the_engine_and_mount_the_adapters(chart):
+    objects = render(chart, ci("lora-values.yaml"))
+    config = _engine_config(objects)
+    assert (config.enable_lora, config.max_loras, config.max_lora_rank) == (True, 8, 64)
+    assert config.lora_modules == {"sql": "/adapters/sql-lora", "poet": "/adapters/poet"}
+    pod = workload(objects, "worker")["spec"]["template"]["spec"]
+    volume = next(v for v in pod["volumes"] if v["name"] == "lora-adapters")
+    assert volume["persistentVolumeClaim"] == {"claimName": "lora-adapters", "readOnly": True}
+    mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "lora-adapters")
+    assert mount == {"name": "lora-adapters", "mountPath": "/adapters", "readOnly": True}
+
+
+def test_lora_is_off_by_default(defaults):
+    assert not _engine_config(defaults).enable_lora
+
+
 def test_init_container_copies_the_model_once(chart, tmp_path):
     """The init container's default script, run here with sh: it copies the image's files into
     the volume, and the next start finds them there and leaves them."""
@@ -430,6 +486,55 @@ def test_no_api_key_by_default(defaults):
     assert not [o for o in objects if o["kind"] == "Secret"]
 
 
+# Routes from a Gateway (Gateway API v1), HTTP and gRPC.
+GATEWAY = {"enabled": True, "parentRefs": [{"name": "public", "namespace": "gateway-system", "sectionName": "https"}],
+           "hostnames": ["llm.example.com"], "paths": ["/v1"], "requestTimeout": "0s", "grpc": True}
+
+
+def _backend_port_name(objects: list[dict], backend: dict) -> str:
+    """The routers' container port a route's backendRef reaches through their Service."""
+    [service] = [o for o in objects if o["kind"] == "Service" and o["metadata"]["name"] == backend["name"]]
+    assert matches(service["spec"]["selector"], workload(objects, "router")["spec"]["template"]["metadata"]["labels"])
+    [port] = [p for p in service["spec"]["ports"] if p["port"] == backend["port"]]
+    return port["targetPort"]
+
+
+def test_gateway_routes_pass_helm_lint_strict():
+    report = helm.lint(CHART, {"router": {"gateway": GATEWAY}}, strict=True, namespace=NAMESPACE)
+    assert not [m for m in report["messages"] if m["severity"] >= 2] + report["errors"]
+
+
+def test_http_route_leads_the_gateways_paths_to_the_routers_http_port(chart):
+    objects = render(chart, {"router": {"gateway": GATEWAY}})
+    route = one(objects, "HTTPRoute")
+    assert route["apiVersion"] == "gateway.networking.k8s.io/v1"
+    assert route["spec"]["parentRefs"] == GATEWAY["parentRefs"]
+    assert route["spec"]["hostnames"] == ["llm.example.com"]
+    [rule] = route["spec"]["rules"]
+    assert rule["matches"] == [{"path": {"type": "PathPrefix", "value": "/v1"}}]
+    assert rule["timeouts"] == {"request": "0s"}
+    [backend] = rule["backendRefs"]
+    assert _backend_port_name(objects, backend) == "http"
+
+
+def test_grpc_route_leads_to_the_routers_grpc_port(chart):
+    objects = render(chart, {"router": {"gateway": GATEWAY}})
+    route = one(objects, "GRPCRoute")
+    assert route["apiVersion"] == "gateway.networking.k8s.io/v1"
+    assert route["spec"]["parentRefs"] == GATEWAY["parentRefs"]
+    [rule] = route["spec"]["rules"]
+    assert "matches" not in rule        # every service: pagedserve.v1, health and reflection
+    [backend] = rule["backendRefs"]
+    assert _backend_port_name(objects, backend) == "grpc"
+
+
+def test_no_gateway_routes_unless_asked(chart, defaults):
+    assert not [o for o in defaults if o["kind"] in ("HTTPRoute", "GRPCRoute")]
+    http_only = render(chart, {"router": {"gateway": {**GATEWAY, "grpc": False, "requestTimeout": ""}}})
+    assert [o["kind"] for o in http_only if o["kind"] in ("HTTPRoute", "GRPCRoute")] == ["HTTPRoute"]
+    assert "timeouts" not in one(http_only, "HTTPRoute")["spec"]["rules"][0]
+
+
 def test_router_scales_on_cpu(chart):
     hpa = one(render(chart, {"router": {"autoscaling": {"enabled": True}}}), "HorizontalPodAutoscaler")
     assert hpa["spec"]["scaleTargetRef"]["kind"] == "Deployment"
@@ -437,6 +542,59 @@ def test_router_scales_on_cpu(chart):
 
 
 # ------------------------------------------------------------------------- security
+
+def _tls_files(objects: list[dict], component: str) -> dict[str, str]:
+    """The component's TLS flags that name a file, each checked to lie in its mounted Secret."""
+    pod = workload(objects, component)["spec"]["template"]["spec"]
+    [volume] = [v for v in pod["volumes"] if v["name"] == "tls"]
+    [mount] = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "tls"]
+    assert volume["secret"]["secretName"] == "pagedserve-internal-tls" and mount["readOnly"] is True
+    files = {name: value for name, value in flags(pod["containers"][0]["args"]).items()
+             if name.endswith("-file")}
+    for path in files.values():
+        directory, _, file = path.rpartition("/")
+        assert directory == mount["mountPath"] and file in ("tls.crt", "tls.key", "ca.crt"), path
+    return files
+
+
+def test_mutual_tls_gives_both_sides_the_secrets_files(chart):
+    objects = render(chart, ci("tls-values.yaml"))
+    assert {name: path.rpartition("/")[2] for name, path in _tls_files(objects, "worker").items()} == {
+        "tls-cert-file": "tls.crt", "tls-key-file": "tls.key", "tls-client-ca-file": "ca.crt"}
+    assert {name: path.rpartition("/")[2] for name, path in _tls_files(objects, "router").items()} == {
+        "worker-tls-ca-file": "ca.crt", "worker-tls-cert-file": "tls.crt", "worker-tls-key-file": "tls.key"}
+    # The flags are what the CLI accepts of each role, pairs complete.
+    for component in ("worker", "router"):
+        args = cli._serve_parser().parse_args(["--role", component, *container(objects, component)["args"]])
+        cli._check_tls_flags(args, cli._serve_parser())
+
+
+def test_routers_check_the_workers_certificate_for_their_services_name(chart):
+    objects = render(chart, ci("tls-values.yaml"))
+    name = flags(container(objects, "router")["args"])["worker-tls-server-name"]
+    service = flags(container(objects, "router")["args"])["workers"].removeprefix("dns:").rpartition(":")[0]
+    assert name == f"{RELEASE}-pagedserve-workers.{NAMESPACE}.svc" and service.startswith(name + ".")
+    custom = render(chart, {"tls": {"enabled": True, "secretName": "s", "serverName": "workers.internal"}})
+    assert flags(container(custom, "router")["args"])["worker-tls-server-name"] == "workers.internal"
+
+
+def test_tls_without_mutual_leaves_routers_without_a_certificate(chart):
+    objects = render(chart, {"tls": {"enabled": True, "secretName": "pagedserve-internal-tls", "mutual": False}})
+    assert set(_tls_files(objects, "worker")) == {"tls-cert-file", "tls-key-file"}
+    assert set(_tls_files(objects, "router")) == {"worker-tls-ca-file"}
+
+
+def test_with_tls_the_probes_ask_the_plaintext_health_port(chart):
+    """The kubelet's gRPC probes speak no TLS: the worker serves health alone on a port of its own."""
+    worker = container(render(chart, ci("tls-values.yaml")), "worker")
+    health_port = int(flags(worker["args"])["health-port"])
+    assert {"name": "health", "containerPort": health_port} in worker["ports"]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert worker[probe]["grpc"]["port"] == health_port
+    # Without TLS there is no such port: the probes ask the worker port itself.
+    plain = container(render(chart), "worker")
+    assert "health-port" not in flags(plain["args"]) and "health" not in {p["name"] for p in plain["ports"]}
+
 
 def test_only_router_pods_reach_the_workers_port(defaults):
     objects = defaults
@@ -460,7 +618,9 @@ def test_containers_run_as_non_root_on_a_read_only_root(chart, values_file):
     for kind in ("StatefulSet", "Deployment"):
         pod = one(objects, kind)["spec"]["template"]["spec"]
         assert pod["securityContext"]["runAsNonRoot"] is True
-        assert pod["automountServiceAccountToken"] is False
+        # No token, except for routers that ask the Kubernetes API for the workers' endpoints.
+        api_discovery = kind == "Deployment" and values_file == "kubernetes-discovery-values.yaml"
+        assert pod["automountServiceAccountToken"] is api_discovery
         for c in pod["containers"] + pod.get("initContainers", []):
             assert c["securityContext"]["allowPrivilegeEscalation"] is False
             assert c["securityContext"]["readOnlyRootFilesystem"] is True

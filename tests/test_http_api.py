@@ -73,7 +73,7 @@ class RouterProcess:
 
 @pytest.fixture(scope="module")
 def worker():
-    with WorkerProcess() as w:
+    with WorkerProcess(["--logits-processors", "worker.length_temperature:LengthTemperature"]) as w:
         yield w
 
 
@@ -477,3 +477,71 @@ def test_tool_choice_auto_is_a_400_saying_what_to_send(client, model):
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, max_tokens=5)
     assert refused.value.body["param"] == "tool_choice" and "required" in refused.value.body["message"]
+
+
+# ------------------------------------------------------------------ prompt logprobs
+
+SCORED = "The lighthouse keeper climbed the spiral stairs every evening at dusk"
+
+
+def teacher_forced_logprobs(hf_smollm, ids: list[int]):
+    """transformers' logprob of each token but the first given those before it."""
+    import torch
+    with torch.no_grad():
+        logprobs = hf_smollm(torch.tensor([ids])).logits[0].log_softmax(-1)
+    return logprobs[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].tolist()
+
+
+def test_echo_with_logprobs_and_max_tokens_0_scores_the_prompt_as_transformers_does(
+        client, model, router, hf_smollm):
+    scored = client.completions.create(model=model, prompt=SCORED, echo=True, logprobs=2, max_tokens=0)
+    [choice] = scored.choices
+    ids = httpx.post(f"{router.url}/tokenize", json={"prompt": SCORED}).json()["tokens"]
+    assert choice.text == SCORED and scored.usage.completion_tokens == 0
+    assert choice.logprobs.token_logprobs[0] is None and choice.logprobs.top_logprobs[0] is None
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx(teacher_forced_logprobs(hf_smollm, ids), abs=1e-4)
+    assert all(len(top) in (2, 3) for top in choice.logprobs.top_logprobs[1:])     # + the prompt token
+
+
+def test_lm_eval_loglikelihood_requests_get_each_prompts_logprobs_then_one_token(router, model, hf_smollm):
+    """lm-eval's local-completions shape: a batch of token-id prompts, echo, logprobs 1, max_tokens 1."""
+    prompts = [post(router, "/tokenize", {"prompt": text}).json()["tokens"] for text in (SCORED, PROMPT)]
+    body = {"model": model, "prompt": prompts, "echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0,
+            "seed": 1234}
+    choices = post(router, "/v1/completions", body).json()["choices"]
+    for choice, ids in zip(choices, prompts):
+        logprobs = choice["logprobs"]["token_logprobs"]
+        assert len(logprobs) == len(ids) + 1 and logprobs[0] is None
+        assert logprobs[1:-1] == pytest.approx(teacher_forced_logprobs(hf_smollm, ids), abs=1e-4)
+
+
+def test_grpc_prompt_logprobs_give_each_prompt_token_its_logprob_and_top_ones(router):
+    request = pb.GenerateRequest(text=SCORED, params=pb.SamplingParameters(max_tokens=0, prompt_logprobs=1))
+    with grpc.insecure_channel(f"127.0.0.1:{router.grpc_port}") as channel:
+        responses = list(generation_pb2_grpc.GenerationStub(channel).Generate(
+            request, timeout=60, metadata=[("authorization", f"Bearer {API_KEY}")]))
+    entries = [entry for response in responses for entry in response.prompt_logprobs]
+    ids = httpx.post(f"{router.url}/tokenize", json={"prompt": SCORED}).json()["tokens"]
+    assert [entry.sampled.token_id for entry in entries] == ids
+    assert not entries[0].sampled.HasField("logprob") and not entries[0].top
+    assert all(entry.sampled.HasField("logprob") and len(entry.top) == 1 for entry in entries[1:])
+    assert responses[-1].choices[0].finish_reason == pb.FINISH_REASON_LENGTH
+
+
+# ------------------------------------------------------------------ custom logits processors
+
+def test_a_logits_processor_selected_through_the_openai_client_changes_the_sampling_as_specified(client, model):
+    prompt_tokens = client.completions.create(model=model, prompt=PROMPT, max_tokens=1).usage.prompt_tokens
+    # length_temperature at scale = prompt length doubles the temperature: 0.6 samples as 1.2.
+    scaled = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0.6, seed=3,
+                                       extra_body={"logits_processors": ["length_temperature"],
+                                                   "vllm_xargs": {"length_scale": prompt_tokens}})
+    reference = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=1.2, seed=3)
+    assert scaled.choices[0].text == reference.choices[0].text
+
+
+def test_a_logits_processor_the_worker_did_not_load_is_a_400_naming_it(client, model):
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=model, prompt=PROMPT, max_tokens=2,
+                                  extra_body={"logits_processors": ["nope"]})
+    assert "logits_processors: 'nope' is not loaded" in refused.value.body["message"]

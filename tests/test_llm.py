@@ -32,6 +32,14 @@ def test_token_id_prompt_and_n_choices(llm, smollm_tokenizer):
     assert [c.finish_reason for c in completion.choices] == ["length"] * 3
 
 
+def test_a_scored_prompt_has_a_logprob_per_token_the_first_none_and_no_output(llm, smollm_tokenizer):
+    (completion,) = llm.generate(PROMPTS[0], SamplingParams(prompt_logprobs=2, max_tokens=0))
+    first, *rest = completion.prompt_logprobs
+    assert first is None and len(rest) == len(completion.prompt_token_ids) - 1
+    assert all(logprob <= 0 and len(top) == 2 for logprob, top in rest)
+    assert completion.choices[0].token_ids == [] and completion.choices[0].finish_reason == "length"
+
+
 def test_text_needs_a_tokenizer(tmp_path):
     from helpers import tiny_hf_model
     tiny_hf_model(tmp_path, "llama3")     # weights and config, no tokenizer files

@@ -41,6 +41,9 @@ def test_router_metrics_record_what_they_are_told():
     metrics.finished("cancelled", e2e_s=0.1, ttft_s=None, output_tokens=0)
     metrics.preempted("swap")
     metrics.migrated()
+    metrics.swapped_out("priority")
+    metrics.swapped_out("priority")
+    metrics.swapped_in("priority")
     metrics.redispatched()
     metrics.worker_lost()
     queue.pop()
@@ -62,6 +65,8 @@ def test_router_metrics_record_what_they_are_told():
     assert m[("pagedserve_router_time_per_output_token_seconds_sum", ())] == pytest.approx(0.25)
     assert m[("pagedserve_router_preemptions_total", (("mode", "swap"),))] == 1
     assert m[("pagedserve_router_migrations_total", ())] == 1
+    assert m[("pagedserve_router_swap_outs_total", (("reason", "priority"),))] == 2
+    assert m[("pagedserve_router_swap_ins_total", (("reason", "priority"),))] == 1
     assert m[("pagedserve_router_redispatches_total", ())] == 1
     assert m[("pagedserve_router_workers_lost_total", ())] == 1
 
@@ -93,7 +98,9 @@ def test_vllm_names_survive_every_scrape_format(accept):
     OpenMetrics encoder would write `vllm_num_requests_running`, which is what Prometheus stored)."""
     registry = CollectorRegistry()
     state = SimpleNamespace(total_blocks=8, free_blocks=6, total_swap_blocks=0, free_swap_blocks=0, num_running=2,
-                            num_waiting=1, num_swapped=0, preemptions={}, prefix_queries=0, prefix_hits=0)
+                            num_waiting=1, num_swapped=0, preemptions={}, prefix_queries=0, prefix_hits=0,
+                            lora_adapters=[("sql", "/adapters/sql", 8, ["q_proj"], True, 1)],
+                            lora_slots_in_use=1, lora_loads=1, lora_evictions=0)
     WorkerMetrics("m", registry, lambda: state, block_size=16)
     port = serve_metrics(registry, _free_port(), "127.0.0.1")
     request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers={"Accept": accept})
@@ -117,7 +124,8 @@ def test_the_dashboard_queries_only_metrics_that_exist():
     registry = CollectorRegistry()
     RouterMetrics("m", registry, running=lambda: 0, waiting=lambda: 0, ready_workers=lambda: 0)
     state = SimpleNamespace(total_blocks=8, free_blocks=8, total_swap_blocks=0, free_swap_blocks=0, num_running=0,
-                            num_waiting=0, num_swapped=0, preemptions={}, prefix_queries=0, prefix_hits=0)
+                            num_waiting=0, num_swapped=0, preemptions={}, prefix_queries=0, prefix_hits=0,
+                            lora_adapters=[], lora_slots_in_use=0, lora_loads=0, lora_evictions=0)
     WorkerMetrics("m", registry, lambda: state, block_size=16)
     exported = {s.name for family in text_string_to_metric_families(generate_latest(registry).decode())
                 for s in family.samples}
@@ -126,3 +134,24 @@ def test_the_dashboard_queries_only_metrics_that_exist():
     exprs = [t["expr"] for panel in dashboard["panels"] for t in panel.get("targets", ())]
     queried = {name for expr in exprs for name in re.findall(r"\b(pagedserve_[a-z0-9_]+)", expr)}
     assert queried and queried <= exported, queried - exported
+
+
+def test_lora_series_name_the_adapters_with_requests():
+    registry = CollectorRegistry()
+    state = SimpleNamespace(total_blocks=8, free_blocks=8, total_swap_blocks=0, free_swap_blocks=0, num_running=2,
+                            num_waiting=0, num_swapped=0, preemptions={}, prefix_queries=0, prefix_hits=0,
+                            lora_adapters=[("sql", "/a/sql", 8, ["q_proj"], True, 2),
+                                           ("poet", "/a/poet", 16, ["o_proj"], False, 1),
+                                           ("idle", "/a/idle", 8, ["q_proj"], False, 0)],
+                            lora_slots_in_use=1, lora_loads=3, lora_evictions=1)
+    metrics = WorkerMetrics("m", registry, lambda: state, block_size=16, max_loras=4)
+    metrics.lora_finished("sql", 7)
+    samples = [s for family in text_string_to_metric_families(generate_latest(registry).decode())
+               for s in family.samples]
+    info = next(s for s in samples if s.name == "vllm:lora_requests_info")
+    assert (info.labels["max_lora"], info.labels["running_lora_adapters"], info.labels["waiting_lora_adapters"]) == \
+        ("4", "sql", "poet")
+    where = {s.labels["where"]: s.value for s in samples if s.name == "pagedserve_worker_lora_adapters"}
+    assert where == {"device": 1, "host": 2}
+    tokens = next(s for s in samples if s.name == "pagedserve_worker_lora_generation_tokens_total")
+    assert (tokens.labels["lora_name"], tokens.value) == ("sql", 7)

@@ -4,6 +4,7 @@ the gRPC request); the HTTP server itself is specified in test_http_api.py."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import grpc
@@ -12,7 +13,7 @@ import pytest
 from common.pb import generation_pb2 as pb
 from router.errors import ApiError
 from router.openai_protocol import (
-    HttpError, chunk_choices, generate_requests, http_field, names_for, naming_prompt, parse_body)
+    HttpError, chunk_choices, echoed, generate_requests, http_field, names_for, naming_prompt, parse_body)
 from router.requests import ServedModel, prepare_generate
 from router.tokenizer import RouterTokenizer
 
@@ -330,3 +331,115 @@ def test_a_malformed_tool_call_in_the_history_is_400_naming_it(served):
     body = {"model": MODEL, "messages": [{"role": "assistant", "content": "", "tool_calls": [{"function": 5}]}]}
     error = refusal(body, served, chat=True)
     assert error["status"] == 400 and error["param"] == "messages[0].tool_calls[0]"
+
+
+# ------------------------------------------------------------------ echo (prompt logprobs)
+
+def test_echo_with_logprobs_asks_for_the_prompts_logprobs_as_many_as_logprobs():
+    [request] = generate_requests(completion(echo=True, logprobs=3), chat=False, request_id="r")
+    assert request.params.prompt_logprobs == 3 and request.params.logprobs == 3
+
+
+def test_echo_without_logprobs_asks_for_no_prompt_logprobs():
+    [request] = generate_requests(completion(echo=True), chat=False, request_id="r")
+    assert not request.params.HasField("prompt_logprobs")
+
+
+def test_an_echoed_prompt_with_max_tokens_0_is_accepted_for_scoring(served):
+    for body in (completion(echo=True, logprobs=1, max_tokens=0), completion(echo=True, max_tokens=0)):
+        [request] = generate_requests(body, chat=False, request_id="r")
+        assert prepare_generate(request, served).params.max_tokens == 0
+
+
+@pytest.mark.parametrize("body", [completion(max_tokens=0), completion(echo=True, logprobs=1, max_tokens=0, n=2)],
+                         ids=["not echoed", "n=2"])
+def test_max_tokens_0_is_400_naming_it_unless_an_echoed_prompt_is_scored_once(served, body):
+    error = refusal(body, served)
+    assert error["status"] == 400 and error["param"] == "max_tokens" and "score a prompt" in error["message"]
+
+
+def test_prompt_logprobs_out_of_range_is_400_naming_logprobs_as_the_client_sent_it(served):
+    error = refusal(completion(echo=True, logprobs=21), served)
+    assert error["status"] == 400 and error["param"] == "logprobs"
+
+
+async def _stream(*responses: pb.GenerateResponse):
+    for response in responses:
+        yield response
+
+
+def echo_of(*responses: pb.GenerateResponse, n: int = 1, with_logprobs: bool = True) -> list[pb.GenerateResponse]:
+    async def prompt_text() -> str:
+        return "Hi there"
+
+    async def collect() -> list[pb.GenerateResponse]:
+        return [r async for r in echoed(_stream(*responses), prompt_text, n, with_logprobs)]
+    return asyncio.run(collect())
+
+
+ADMITTED = pb.GenerateResponse(usage=pb.Usage(prompt_tokens=2))
+FIRST, SECOND = (pb.TokenLogprobs(sampled=pb.Logprob(token_id=1, text="Hi", token_bytes=b"Hi")),   # no logprob
+                 pb.TokenLogprobs(sampled=logprob(2, " there", -3.0), top=[logprob(5, " you", -1.0)]))
+
+
+def test_an_echo_starts_every_choice_with_the_prompt_and_its_logprobs_before_any_output():
+    early = pb.GenerateResponse(choices=[pb.ChoiceDelta(index=1, text=" b")], prompt_logprobs=[FIRST])
+    later = pb.GenerateResponse(choices=[pb.ChoiceDelta(index=0, text=" a")], prompt_logprobs=[SECOND])
+    admitted, echo, *rest = echo_of(ADMITTED, early, later, n=2)
+    assert admitted == ADMITTED
+    assert [(c.index, c.text, list(c.logprobs)) for c in echo.choices] == [(0, "Hi there", [FIRST, SECOND]),
+                                                                           (1, "Hi there", [FIRST, SECOND])]
+    assert [c.text for r in rest for c in r.choices] == [" b", " a"]
+    assert not any(r.prompt_logprobs for r in rest)
+
+
+def test_an_echo_without_logprobs_is_the_prompts_text_alone():
+    _, echo, rest = echo_of(ADMITTED, pb.GenerateResponse(choices=[pb.ChoiceDelta(index=0, text=" a")]),
+                            with_logprobs=False)
+    assert [(c.text, list(c.logprobs)) for c in echo.choices] == [("Hi there", [])]
+    assert rest.choices[0].text == " a"
+
+
+def test_an_echoed_prompts_first_token_has_null_logprobs_and_the_rest_their_own():
+    response = pb.GenerateResponse(choices=[pb.ChoiceDelta(index=0, text="Hi there", logprobs=[FIRST, SECOND])])
+    [choice] = chunk_choices(response, chat=False, want_logprobs=True, offsets=[0])
+    assert choice["logprobs"] == {"tokens": ["Hi", " there"], "token_logprobs": [None, -3.0],
+                                  "top_logprobs": [None, {" you": -1.0, " there": -3.0}], "text_offset": [0, 2]}
+
+
+# ------------------------------------------------------------------ bad words
+
+def test_bad_words_become_the_grpc_field():
+    [request] = generate_requests(completion(bad_words=["Paris", "wizard"]), chat=False, request_id="r")
+    assert list(request.params.bad_words) == ["Paris", "wizard"]
+
+
+@pytest.mark.parametrize("bad_words,param", [("Paris", "bad_words"), ([5], "bad_words"), ([" "], "bad_words")],
+                         ids=["not an array", "not strings", "only a space"])
+def test_malformed_bad_words_are_400_naming_them(served, bad_words, param):
+    error = refusal(completion(bad_words=bad_words), served)
+    assert error["status"] == 400 and error["param"] == param
+
+
+def test_bad_words_on_a_model_without_a_tokenizer_are_400_saying_so():
+    tokenless = ServedModel((MODEL,), 2048, vocab_size=49152, tokenizer=None)
+    error = refusal(completion(prompt=[1, 2], bad_words=["Paris"]), tokenless)
+    assert error["param"] == "bad_words" and "without a tokenizer" in error["message"]
+
+
+# ------------------------------------------------------------------ custom logits processors
+
+def test_logits_processors_and_vllm_xargs_become_the_grpc_fields():
+    body = completion(logits_processors=["length_temperature"], vllm_xargs={"length_scale": 500, "tag": "a"})
+    [request] = generate_requests(body, chat=False, request_id="r")
+    assert list(request.params.logits_processors) == ["length_temperature"]
+    assert dict(request.params.extra_args) == {"length_scale": 500.0, "tag": "a"}
+
+
+@pytest.mark.parametrize("body,param", [({"logits_processors": "length_temperature"}, "logits_processors"),
+                                        ({"logits_processors": [""]}, "logits_processors"),
+                                        ({"vllm_xargs": [1]}, "vllm_xargs")],
+                         ids=["not an array", "empty name", "xargs not an object"])
+def test_malformed_logits_processor_fields_are_400_naming_them(served, body, param):
+    error = refusal(completion(**body), served)
+    assert error["status"] == 400 and error["param"] == param

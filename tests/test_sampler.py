@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from common.sampling_params import SamplingParams
-from worker.sampler import (SampleResult, SamplingBatch, SamplingRow, filter_logits, apply_penalties, sample,
-                            seeded_uniform)
+from worker.sampler import (BadWords, SampleResult, SamplingBatch, SamplingRow, filter_logits, apply_penalties,
+                            sample, seeded_uniform)
 
 V = 8
 
@@ -162,3 +162,45 @@ def test_a_grammar_bitmask_keeps_only_its_tokens_in_its_rows():
     b = batch(SamplingParams(temperature=0), SamplingParams(temperature=0))
     b.allowed = (torch.tensor([1]), torch.tensor([[1 << 5 | 1 << 7]], dtype=torch.int32))   # tokens 5 and 7
     assert draw(logits(ROW, ROW), b).token_ids == [1, 5]
+
+
+# ------------------------------------------------------------------ bad words
+
+GREEDY = SamplingParams(temperature=0)
+
+
+def bad_words_batch(*rows: tuple[list[int], BadWords], prompt: list[int] = (), pending: list[int] = ()):
+    """Greedy rows with their output so far and bad words; `pending`: the last output token
+    of each row, still on the device (as under asynchronous scheduling), if given."""
+    sampling_rows = [SamplingRow(GREEDY, 0, 10, [*prompt, *output], len(prompt), [], words,
+                                 pending_row=i if pending else -1)
+                     for i, (output, words) in enumerate(rows)]
+    return SamplingBatch.build(sampling_rows, V, torch.device("cpu"), torch.tensor(pending) if pending else None)
+
+
+def test_a_one_token_bad_word_is_never_drawn():
+    assert draw(logits(ROW), bad_words_batch(([], BadWords(tokens=(1,))))).token_ids == [3]
+
+
+def test_a_bad_word_bans_its_last_token_right_after_the_rest_of_it_only():
+    words = BadWords(sequences=((5, 6, 1),))
+    b = bad_words_batch(([2, 5, 6], words), ([5, 6, 2], words), ([6, 5], words))
+    assert draw(logits(ROW, ROW, ROW), b).token_ids == [3, 1, 1]
+
+
+def test_a_bad_word_counts_generated_tokens_only():
+    words = BadWords(sequences=((5, 6, 1),))
+    assert draw(logits(ROW), bad_words_batch(([6], words), prompt=[5])).token_ids == [1]
+
+
+def test_a_bad_word_ending_in_a_pending_token_is_matched_on_the_device():
+    words = BadWords(sequences=((5, 6, 1), (4, 1)))
+    b = bad_words_batch(([5], words), ([4], words), pending=[6, 6])     # outputs 5 6 and 4 6
+    assert draw(logits(ROW, ROW), b).token_ids == [3, 1]
+
+
+def test_bad_words_of_different_lengths_apply_in_one_batch():
+    b = bad_words_batch(([7], BadWords(sequences=((7, 1),))),
+                        ([2, 4, 7], BadWords(sequences=((2, 4, 7, 1), (7, 3)))),
+                        ([], BadWords(tokens=(1, 3))))
+    assert draw(logits(ROW, ROW, ROW), b).token_ids == [3, 6, 6]

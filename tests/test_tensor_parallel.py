@@ -75,6 +75,25 @@ def test_small_models_match_one_rank(tmp_path, kind, tensor_parallel_size):
     assert tp_tokens == one_tokens
 
 
+def test_prompt_logprobs_over_two_ranks_take_each_slice_of_logits_from_both(tmp_path):
+    """A prompt scored in one step with more rows than one slice of logits (MAX_LOGITS_ROWS):
+    both ranks compute every slice's logits (a collective), rank 0 reduces them."""
+    from worker.model_runner import MAX_LOGITS_ROWS
+    tiny_hf_model(tmp_path, "llama3")
+    ids = torch.randint(0, 320, (MAX_LOGITS_ROWS + 40,), generator=torch.Generator().manual_seed(3)).tolist()
+    tp = engine(str(tmp_path), 2, max_num_batched_tokens=512)
+    try:
+        tp.add_request("s", ids, SamplingParams(prompt_logprobs=1, max_tokens=0))
+        entries = []
+        while tp.has_unfinished():
+            entries += [entry for out in tp.step() for entry in out.prompt_logprobs or []]
+        reference = tp.prompt_logits(ids).log_softmax(-1)
+    finally:
+        tp.close()
+    expected = reference[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+    torch.testing.assert_close(torch.tensor([lp for lp, _ in entries]), expected, atol=1e-5, rtol=0)
+
+
 def test_smollm2_with_uneven_heads_preemption_and_forks_matches_one_rank(smollm_tokenizer):
     """Two ranks of SmolLM2 (6 + 3 query heads) through chunked prefill, swap preemption in
     a 12-block pool and n=2 forks (block copies) give the single rank's tokens."""

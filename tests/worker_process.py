@@ -22,6 +22,7 @@ from pathlib import Path
 import grpc
 
 from common.pb import generation_pb2, worker_pb2, worker_pb2_grpc
+from common.tls import ClientTls
 
 REPO = Path(__file__).resolve().parent.parent
 STARTUP_TIMEOUT_S = 120    # loading SmolLM2 takes ~15 s, more with several loading at once
@@ -65,9 +66,10 @@ class WorkerProcess:
     waited for afterwards, so that they load their models in parallel."""
 
     def __init__(self, args: Sequence[str] = (), env: dict[str, str | None] | None = None,
-                 host: str = "127.0.0.1", port: int | None = None):
+                 host: str = "127.0.0.1", port: int | None = None, tls: ClientTls | None = None):
         """`env`: variables to set for the worker, or (None) to remove from what it inherits.
-        `host`: a loopback address to listen on; `port`: default, a free one."""
+        `host`: a loopback address to listen on; `port`: default, a free one. `tls`: how to
+        reach a worker started with --tls-* flags."""
         self.port = port or free_port()
         self.address = f"{host}:{self.port}"
         self._args = ["serve", "--role", "worker", "--host", host, "--worker-port", str(self.port),
@@ -75,6 +77,7 @@ class WorkerProcess:
         self._env = {name: value for name, value in {**os.environ, "PYTHONPATH": python_path(), **(env or {})}.items()
                      if value is not None}
         self._log = tempfile.TemporaryFile(mode="w+")
+        self._tls = tls
         self.process: subprocess.Popen | None = None
 
     def start(self) -> None:
@@ -84,7 +87,9 @@ class WorkerProcess:
     def wait_ready(self) -> None:
         """Returns once the worker answers Info; fails with its log if it exits or is slow."""
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        with grpc.insecure_channel(self.address) as channel:
+        channel = (grpc.secure_channel(self.address, self._tls.credentials(), self._tls.channel_options())
+                   if self._tls else grpc.insecure_channel(self.address))
+        with channel:
             stub = worker_pb2_grpc.WorkerStub(channel)
             while True:
                 if self.process.poll() is not None:

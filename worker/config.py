@@ -72,6 +72,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"       # fcfs | priority
     enforce_eager: bool = False
+    # Custom logits processors to load (worker.logits_processors): entry point names or module:Class.
+    logits_processors: tuple[str, ...] = ()
     # Schedule and launch step N+1 before reading step N's tokens (see worker.engine). None:
     # on a GPU, where it hides the host's work behind the device's; off on the CPU, whose
     # forward runs in the launching thread, so it would only report each token a step later.
@@ -80,6 +82,12 @@ class EngineConfig:
     # The worker's watchdog: seconds an engine holding runnable work may go without a step
     # that advances it before the worker reports NOT_SERVING (0: no watchdog).
     stall_timeout_s: float = 60.0
+    # Multi-LoRA (worker.lora): adapters in device slots, more in host memory.
+    enable_lora: bool = False
+    max_loras: int = 4                    # device slots: adapters one step can mix
+    max_lora_rank: int = 16               # largest adapter rank accepted (slot width)
+    max_cpu_loras: int = 32               # adapters held in host memory, least recently used dropped
+    lora_modules: dict[str, str] = field(default_factory=dict)   # name -> PEFT directory, loaded at start
 
     def validate(self) -> "EngineConfig":
         if self.quantization not in QUANTIZATION_METHODS:
@@ -101,6 +109,21 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
         if self.stall_timeout_s < 0:
             raise ValueError(f"stall_timeout_s={self.stall_timeout_s} must be >= 0 (0: no watchdog)")
+        if self.enable_lora:
+            if not 1 <= self.max_loras <= 64:
+                raise ValueError(f"max_loras={self.max_loras} must be in [1, 64]")
+            if not 1 <= self.max_lora_rank <= 256:
+                raise ValueError(f"max_lora_rank={self.max_lora_rank} must be in [1, 256]")
+            if self.max_cpu_loras < self.max_loras:
+                raise ValueError(f"max_cpu_loras={self.max_cpu_loras} must be >= max_loras={self.max_loras}")
+            if len(self.lora_modules) > self.max_cpu_loras:
+                raise ValueError(f"{len(self.lora_modules)} lora_modules do not fit in max_cpu_loras="
+                                 f"{self.max_cpu_loras}")
+            if self.tensor_parallel_size > 1:
+                raise ValueError("enable_lora with tensor_parallel_size > 1 is not supported yet: "
+                                 "serve adapters on single-GPU workers")
+        elif self.lora_modules:
+            raise ValueError("lora_modules given without enable_lora")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks={self.num_blocks} must be >= 1")
         return self

@@ -1,4 +1,4 @@
-"""The attention metadata of the step being run, read by every attention layer.
+"""The metadata of the step being run, read by every attention layer (and LoRA linear).
 
 The model's forward takes only `(input_ids, positions)`; the batch layout that attention
 needs (where each sequence's queries start, its block table, where new K/V go) is set here
@@ -19,6 +19,8 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     gather_plan: object | None = None  # CPU attention's index plan, shared by all layers
+    lora_slots: torch.Tensor | None = None  # [num_tokens] int32 LoRA slot of each token, -1 = base;
+                                            # None: no adapter in the step (worker.lora)
 
 
 _current: AttentionMetadata | None = None

@@ -4,7 +4,8 @@ A decode step of batch `n` replays the graph captured for the smallest ladder si
 with the inputs copied into the graph's static buffers and the padding rows made inert: slot
 -1 (their K/V are written nowhere), sequence length 0 and no queries (attention skips them).
 Attention is told the largest context the pool allows, so the kernels' launch shapes do not
-depend on the step. Sampling runs outside the graph.
+depend on the step. With LoRA the graphs read each row's adapter slot from a static buffer
+too (-1 for base-model rows and padding). Sampling runs outside the graph.
 """
 
 import logging
@@ -23,7 +24,8 @@ def batch_ladder(max_batch: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, max_batch: int, max_blocks_per_seq: int,
-                 max_seq_len: int, hidden_size: int, dtype: torch.dtype, device: torch.device):
+                 max_seq_len: int, hidden_size: int, dtype: torch.dtype, device: torch.device,
+                 lora: bool = False):
         self.model = model
         self.max_seq_len = max_seq_len
         self.sizes = batch_ladder(max_batch)
@@ -33,13 +35,15 @@ class DecodeGraphs:
         self.seq_lens = new(max_batch, dt=torch.int32)
         self.query_start_loc = new(max_batch + 1, dt=torch.int32)
         self.block_tables = new(max_batch, max_blocks_per_seq, dt=torch.int32)
+        self.lora_slots = torch.full((max_batch,), -1, dtype=torch.int32, device=device) if lora else None
         self.hidden = torch.zeros(max_batch, hidden_size, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
 
     def _metadata(self, size: int) -> AttentionMetadata:
         return AttentionMetadata(self.slot_mapping[:size], self.block_tables[:size], self.seq_lens[:size],
-                                 self.query_start_loc[:size + 1], 1, self.max_seq_len)
+                                 self.query_start_loc[:size + 1], 1, self.max_seq_len,
+                                 lora_slots=None if self.lora_slots is None else self.lora_slots[:size])
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -80,5 +84,11 @@ class DecodeGraphs:
             self.seq_lens[n:size].fill_(0)
             self.query_start_loc[n + 1:size + 1].fill_(n)
         self.block_tables[:n, :width].copy_(metadata.block_tables)
+        if self.lora_slots is not None:
+            if metadata.lora_slots is None:
+                self.lora_slots[:size].fill_(-1)
+            else:
+                self.lora_slots[:n].copy_(metadata.lora_slots)
+                self.lora_slots[n:size].fill_(-1)
         self.graphs[size].replay()
         return self.hidden[:n]

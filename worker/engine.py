@@ -10,28 +10,44 @@ under a grammar (structured outputs) launches its forward first, then reads the 
 it and computes the grammar masks on the host while the forward runs: only the sampling
 waits for them, and rows without a grammar are drawn in the same batch.
 
+Prompt logprobs come out of the prefill the request runs anyway: each prompt chunk's forward
+also computes the logprobs of the prompt tokens its positions predict, read with the step.
+A prompt asking for them takes from the prefix cache only the part already scored (none,
+unless preempted mid-prefill); one with max_tokens 0 ends once the step of its last chunk is
+read, without drawing.
+
 Not thread-safe: one thread drives it (the worker server queues RPC commands to that thread).
 """
 
 import dataclasses
+import functools
 import logging
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import numpy as np
 
 from common.sampling_params import InvalidRequest, SamplingParams, choice_seed
 from worker.config import EngineConfig
 from worker.kv_pool import BlockManager, SwapPool
+from worker.logits_processors import load_processors
 from worker import ranks
 from worker.model_runner import ModelRunner
 from worker.models.loader import ModelSource, load_tokenizer, resolve_source
+from worker.models.lora_checkpoint import read_lora_adapter
 from worker.parallel import Shard
 from worker import structured
-from worker.sampler import SampledTokens, SamplingBatch, SamplingRow
+from worker.sampler import (BadWords, PromptLogprobs, PromptScoring, SampledTokens, SampleResult, SamplingBatch,
+                            SamplingRow)
 from worker.scheduler import Scheduler, ScheduledSeq, SchedulerOutput
 from worker.sequence import FinishReason, Sequence, SeqStatus
 
 log = logging.getLogger("pagedserve.engine")
+
+
+class LoRANotFound(InvalidRequest):
+    """A request names an adapter the engine does not hold (gRPC NOT_FOUND, HTTP 404)."""
 
 
 @dataclass
@@ -44,6 +60,9 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    # Prompt logprobs the step computed (params.prompt_logprobs), continuing the earlier ones:
+    # the first output's first entry is for prompt token 1; all come before the first token.
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 @dataclass
@@ -57,9 +76,12 @@ class EngineEvent:
 
 @dataclass
 class InFlightStep:
-    """A launched step whose draws the host has not read: draw i is for `drawn[i]`."""
-    sampled: SampledTokens
+    """A launched step whose results the host has not read: draw i is for `drawn[i]`; the
+    prompt logprobs are for `scored`, each sequence with how many of them are its, in order."""
+    sampled: SampledTokens | None
     drawn: list[Sequence]
+    prompt_logprobs: PromptLogprobs | None = None
+    scored: list[tuple[Sequence, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -74,8 +96,12 @@ class EngineStats:
     preemptions: dict[str, int]
     prefix_queries: int
     prefix_hits: int
-    tokens_in_flight: int
     steps: int
+    # The LoRA adapters held: (name, path, rank, target modules, in a device slot, sequences).
+    lora_adapters: list[tuple[str, str, int, list[str], bool, int]] = field(default_factory=list)
+    lora_slots_in_use: int = 0
+    lora_loads: int = 0                  # adapters copied into a device slot, since start
+    lora_evictions: int = 0              # adapters dropped from host memory (--max-cpu-loras)
 
 
 class LLMEngine:
@@ -97,17 +123,28 @@ class LLMEngine:
         self.max_model_len = self.runner.max_model_len
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.swap_pool = SwapPool(self.runner.num_swap_blocks)
-        self.scheduler = Scheduler(config, self.blocks, self.swap_pool)
+        self.lora = self.runner.lora
+        self.scheduler = Scheduler(config, self.blocks, self.swap_pool, self.lora)
         self.requests: dict[str, list[Sequence]] = {}
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         self.num_steps = 0
         self.last_plan = SchedulerOutput()   # of the latest step: for metrics and traces
         self.in_flight: InFlightStep | None = None
-        self.grammars = structured.Grammars(lambda: load_tokenizer(self.source), self.vocab_size)
+        self.grammars = structured.Grammars(lambda: self.tokenizer, self.vocab_size)
+        self.logits_processors = load_processors(config.logits_processors, self.vocab_size, self.runner.device)
+        for name, path in config.lora_modules.items():
+            log.info("loading LoRA adapter %r from %s", name, path)
+            self.add_lora(read_lora_adapter(name, path, self.model_config, config.max_lora_rank, self.runner.dtype))
 
     @property
     def vocab_size(self) -> int:
         return self.model_config.vocab_size
+
+    @functools.cached_property
+    def tokenizer(self):
+        """The model's Hugging Face tokenizer, read on first use; None for a model without one.
+        The engine reads text only to compile grammars and to tokenize bad words."""
+        return load_tokenizer(self.source)
 
     def close(self, abandon: bool = False) -> None:
         """Stops the other ranks of a tensor-parallel worker (nothing to do otherwise);
@@ -123,12 +160,15 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     priority: int = 0, arrival: float | None = None,
-                    output_token_ids: list[int] = ()) -> None:
+                    output_token_ids: list[int] = (), lora_name: str | None = None) -> None:
         """Queues a request; raises InvalidRequest (naming the problem) if it can never run.
 
         `output_token_ids`: tokens this request already generated elsewhere (a migrated
-        request); generation continues after them as if it had never moved."""
+        request); generation continues after them as if it had never moved. `lora_name`: the
+        LoRA adapter to run it under (one `add_lora` loaded)."""
         params.validate(self.vocab_size)
+        self._check_logits_processors(params)
+        adapter = self._adapter(lora_name) if lora_name else None
         if request_id in self.requests:
             raise InvalidRequest(f"request_id {request_id!r} is already in use")
         if not prompt_token_ids:
@@ -151,9 +191,27 @@ class LLMEngine:
                        priority=priority, arrival=time.monotonic() if arrival is None else arrival,
                        pending_fork=params.n > 1,
                        max_len=min(len(prompt_token_ids) + params.max_tokens, self.max_model_len),
-                       matcher=matcher)
+                       bad_words=self._bad_words(params.bad_words) if params.bad_words else None,
+                       matcher=matcher, lora_name=lora_name or None,
+                       cache_salt=None if adapter is None else hash(("lora", adapter.load_id)))
+        if adapter is not None:
+            adapter.in_use += 1
         self.requests[request_id] = [seq]
         self.scheduler.add(seq)
+
+    def _check_logits_processors(self, params: SamplingParams) -> None:
+        """Refuses a request naming a logits processor this worker did not load, or passing
+        arguments one of its processors refuses."""
+        for name in params.logits_processors:
+            processor = self.logits_processors.get(name)
+            if processor is None:
+                raise InvalidRequest(f"logits_processors: {name!r} is not loaded on this worker (loaded: "
+                                     f"{', '.join(self.logits_processors) or 'none'}; see --logits-processors)",
+                                     "logits_processors")
+            try:
+                processor.validate(params.extra_args)
+            except ValueError as error:
+                raise InvalidRequest(f"extra_args: {error} (for logits processor {name})", "extra_args") from None
 
     def abort(self, request_id: str) -> bool:
         """Drops a request wherever it is and frees its blocks; False if it is unknown."""
@@ -162,6 +220,7 @@ class LLMEngine:
             if seq.status != SeqStatus.FINISHED:
                 self.scheduler.remove(seq)
                 seq.status, seq.finish_reason = SeqStatus.FINISHED, FinishReason.ABORT
+                self._let_go_of_adapter(seq)
         return seqs is not None
 
     def preempt(self, request_id: str, mode: str | None = None, hold: bool = False) -> list[str]:
@@ -197,8 +256,15 @@ class LLMEngine:
             total_swap_blocks=self.swap_pool.num_blocks, free_swap_blocks=self.swap_pool.num_free,
             num_running=len(sched.running), num_waiting=len(sched.waiting), num_swapped=len(sched.swapped),
             preemptions=dict(sched.num_preemptions), prefix_queries=self.blocks.prefix_queries,
-            prefix_hits=self.blocks.prefix_hits, steps=self.num_steps,
-            tokens_in_flight=sum(s.max_len for seqs in self.requests.values() for s in seqs))
+            prefix_hits=self.blocks.prefix_hits, steps=self.num_steps, **self._lora_stats())
+
+    def _lora_stats(self) -> dict:
+        if self.lora is None:
+            return {}
+        return dict(lora_adapters=[(name, a.weights.path, a.weights.rank, a.weights.target_modules,
+                                    a.slot is not None, a.in_use) for name, a in self.lora.adapters.items()],
+                    lora_slots_in_use=self.lora.slots_in_use, lora_loads=self.lora.loads,
+                    lora_evictions=self.lora.evictions)
 
     # ------------------------------------------------------------ the step
 
@@ -237,9 +303,14 @@ class LLMEngine:
                         constrained.append((len(rows), s.seq))
                     rows.append(self._sampling_row(s.seq, choice_seed(s.seq.seed, index)))
                     logits_rows.append(i)
-        batch = SamplingBatch.build(rows, self.vocab_size, self.runner.device) if rows else None
         previous = self.in_flight.sampled if self.in_flight is not None else None
-        logits = self.runner.forward(plan.scheduled, logits_rows, previous)
+        batch = (SamplingBatch.build(rows, self.vocab_size, self.runner.device,
+                                     previous.token_ids if previous is not None else None, self.logits_processors)
+                 if rows else None)
+        scoring, scored = self._prompt_scoring(plan.scheduled)
+        logits, prompt_logprobs = self.runner.forward(plan.scheduled, logits_rows, previous, scoring)
+        for seq, count in scored:
+            seq.prompt_logprobs_next += count
         if constrained:
             if self.in_flight is not None:      # the tokens the grammars follow; the forward runs
                 outputs += self._read_in_flight()
@@ -261,28 +332,102 @@ class LLMEngine:
         for row, seq in enumerate(drawn):
             seq.num_pending += 1
             seq.pending_row = row
-        return InFlightStep(sampled, drawn) if drawn else None
+        return InFlightStep(sampled, drawn, prompt_logprobs, scored) if drawn or scored else None
+
+    @staticmethod
+    def _prompt_scoring(scheduled: list[ScheduledSeq]
+                        ) -> tuple[PromptScoring | None, list[tuple[Sequence, int]]]:
+        """The prompt tokens a step scores: in each chunk of a prompt that owes prompt logprobs,
+        the rows whose logits predict the owed tokens, and each such sequence with how many are
+        its. A prompt scored with max_tokens 0 is listed with its last chunk even with none:
+        reading that step finishes it."""
+        rows, token_ids, scored, top_n = [], [], [], 0
+        offset = 0       # of the chunk's first token among the step's
+        for s in scheduled:
+            seq, start = s.seq, s.seq.num_computed
+            count = 0
+            if seq.owes_prompt_logprobs:
+                # Position p predicts prompt token p + 1. The first owed token's position is at
+                # or after the chunk's first, as the prefix cache gives no blocks past the part
+                # scored; a chunk recomputed after preemption may end before it, scoring none.
+                first, last = seq.prompt_logprobs_next, min(start + s.num_tokens, seq.prompt_len - 1)
+                count = max(0, last - first + 1)
+            if count:
+                rows.append(np.arange(count) + (offset + first - 1 - start))
+                token_ids += seq.token_ids[first:last + 1]
+                top_n = max(top_n, seq.params.prompt_logprobs)
+            if count or (seq.params.max_tokens == 0 and start + s.num_tokens == seq.num_tokens):
+                scored.append((seq, count))
+            offset += s.num_tokens
+        scoring = PromptScoring(np.concatenate(rows), token_ids, top_n) if rows else None
+        return scoring, scored
 
     def _read_in_flight(self) -> list[RequestOutput]:
-        """Waits for the step in flight's draws and appends them to their sequences."""
+        """Waits for the step in flight's results: appends its draws to their sequences, and
+        hands out the prompt logprobs it computed (a prompt's last ones with its first token)."""
         step, self.in_flight = self.in_flight, None
-        result = step.sampled.read()
+        prompt_logprobs = self._split_prompt_logprobs(step)
         outputs = []
+        result = step.sampled.read() if step.sampled is not None else SampleResult([], [])
         for seq, token, logprobs in zip(step.drawn, result.token_ids, result.logprobs):
             seq.num_pending -= 1
             if seq.status == SeqStatus.FINISHED:     # aborted, or stopped a step earlier
                 continue
-            outputs.append(self._append_token(seq, token, logprobs))
+            outputs.append(self._append_token(seq, token, logprobs, prompt_logprobs.pop(seq, None)))
             if seq.status == SeqStatus.RUNNING:      # not finished now, nor preempted meanwhile
                 self.blocks.register_full_blocks(seq)
+        for seq, entries in prompt_logprobs.items():
+            if seq.status != SeqStatus.FINISHED:
+                outputs.append(self._prompt_output(seq, entries))
         return outputs
+
+    @staticmethod
+    def _split_prompt_logprobs(step: InFlightStep) -> dict[Sequence, list]:
+        """The step's prompt logprobs by sequence, each cut to the top-n it asked for."""
+        entries = step.prompt_logprobs.read() if step.prompt_logprobs is not None else []
+        out, start = {}, 0
+        for seq, count in step.scored:
+            top_n = seq.params.prompt_logprobs
+            out[seq] = [(lp, top[:top_n]) for lp, top in entries[start:start + count]]
+            start += count
+        return out
+
+    def _prompt_output(self, seq: Sequence, prompt_logprobs: list) -> RequestOutput:
+        """A prompt chunk's logprobs, which draws nothing; a prompt scored with max_tokens 0
+        ends (length) with its last."""
+        reason = None
+        if seq.params.max_tokens == 0 and seq.num_computed >= seq.num_tokens:
+            reason = FinishReason.LENGTH
+        out = RequestOutput(seq.request_id, seq.index, [], None, reason, seq.prompt_len,
+                            seq.num_cached_tokens, prompt_logprobs)
+        if reason is not None:
+            self._finish(seq, reason)
+        return out
 
     def _sampling_row(self, seq: Sequence, seed: int) -> SamplingRow:
         p = seq.params
         banned = []
         if seq.num_tokens - seq.prompt_len < p.min_tokens:    # the drawn token's output index
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(self.eos_token_ids))
-        return SamplingRow(p, seed, seq.num_tokens, seq.token_ids, seq.prompt_len, banned)
+        return SamplingRow(p, seed, seq.num_tokens, seq.token_ids, seq.prompt_len, banned, seq.bad_words,
+                           seq.pending_row if seq.num_pending else -1)
+
+    def _bad_words(self, words: list[str]) -> BadWords:
+        """A request's bad words as token sequences, tokenized as vLLM does: each word as
+        written (leading spaces dropped), and after a space where that gives another first token
+        and as many tokens (the word in the middle of a text rather than at its start)."""
+        if self.tokenizer is None:
+            raise InvalidRequest("bad_words: this model is served without a tokenizer, so there are "
+                                 "no words to ban", "bad_words")
+        sequences = []
+        for word in words:
+            alone, spaced = (self.tokenizer.encode(text, add_special_tokens=False)
+                             for text in (word.lstrip(), " " + word.lstrip()))
+            sequences += [alone] + ([spaced] if spaced[0] != alone[0] and len(spaced) == len(alone) else [])
+        if any(not 0 <= t < self.vocab_size for tokens in sequences for t in tokens):
+            raise InvalidRequest("bad_words: a word tokenizes to ids outside the model's vocabulary", "bad_words")
+        return BadWords(tokens=tuple(tokens[0] for tokens in sequences if len(tokens) == 1),
+                        sequences=tuple(tuple(tokens) for tokens in sequences if len(tokens) > 1))
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """Creates choices 1..n-1 of a request whose prompt is now computed. They share the
@@ -293,13 +438,19 @@ class LLMEngine:
             child = Sequence(request_id=parent.request_id, index=index, prompt_len=parent.prompt_len,
                              token_ids=list(parent.token_ids), params=parent.params,
                              seed=choice_seed(parent.seed, index), priority=parent.priority,
-                             arrival=parent.arrival, max_len=parent.max_len,
-                             matcher=None if parent.matcher is None else parent.matcher.deep_copy())
+                             arrival=parent.arrival, max_len=parent.max_len, bad_words=parent.bad_words,
+                             prompt_logprobs_next=parent.prompt_logprobs_next,    # the parent's to send
+                             matcher=None if parent.matcher is None else parent.matcher.deep_copy(),
+                             lora_name=parent.lora_name, cache_salt=parent.cache_salt)
+            if parent.lora_name is not None:
+                self.lora.get(parent.lora_name).in_use += 1
             if self.blocks.num_free >= 1:
                 copy = self.blocks.fork(parent, child)
                 if copy:
                     self.runner.pending_copies.append(copy)
                 child.num_computed = parent.num_computed
+                if parent.lora_slot >= 0:        # runs at once, in its parent's slot
+                    child.lora_slot = self.lora.acquire(parent.lora_name)
                 child.status = SeqStatus.RUNNING
                 self.scheduler.running.append(child)
             else:
@@ -308,7 +459,7 @@ class LLMEngine:
         self.requests[parent.request_id].extend(children)
         return children
 
-    def _append_token(self, seq: Sequence, token: int, logprobs) -> RequestOutput:
+    def _append_token(self, seq: Sequence, token: int, logprobs, prompt_logprobs=None) -> RequestOutput:
         seq.token_ids.append(token)
         p = seq.params
         if logprobs is not None:
@@ -323,7 +474,7 @@ class LLMEngine:
         elif len(seq.token_ids) >= seq.max_len:
             reason = FinishReason.LENGTH
         out = RequestOutput(seq.request_id, seq.index, [token], logprobs, reason,
-                            seq.prompt_len, seq.num_cached_tokens)
+                            seq.prompt_len, seq.num_cached_tokens, prompt_logprobs)
         if reason is not None:
             self._finish(seq, reason)
         return out
@@ -342,18 +493,65 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         self.scheduler.remove(seq)
         seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
+        self._let_go_of_adapter(seq)
         family = self.requests.get(seq.request_id, [])
         if all(s.status == SeqStatus.FINISHED for s in family) and not family[0].pending_fork:
             del self.requests[seq.request_id]
 
+    # ------------------------------------------------------------ LoRA adapters
+
+    def _adapter(self, name: str):
+        if self.lora is None:
+            raise InvalidRequest(f"LoRA adapter {name!r} asked for, but this worker serves no adapters "
+                                 f"(start it with --enable-lora)", "lora_name")
+        adapter = self.lora.get(name)
+        if adapter is None or adapter.unloading:
+            raise LoRANotFound(f"LoRA adapter {name!r} is not loaded (loaded: "
+                               f"{', '.join(self.lora.adapters) or 'none'})", "lora_name")
+        return adapter
+
+    def add_lora(self, weights) -> list[str]:
+        """Makes an adapter read by `worker.models.lora_checkpoint.read_lora_adapter` servable;
+        returns adapters dropped from host memory to make room (`--max-cpu-loras`)."""
+        if self.lora is None:
+            raise InvalidRequest("this worker serves no LoRA adapters (start it with --enable-lora)")
+        try:
+            return self.lora.add(weights)
+        except ValueError as e:
+            raise InvalidRequest(str(e), "lora_name") from None
+
+    def remove_lora(self, name: str) -> None:
+        """Forgets an adapter with no requests left (`lora_in_use` says how many it has)."""
+        if self.lora is None or self.lora.get(name) is None:
+            raise LoRANotFound(f"LoRA adapter {name!r} is not loaded", "lora_name")
+        self.lora.remove(name)
+
+    def lora_in_use(self, name: str) -> int:
+        """Sequences the engine holds under the adapter (0 for an unknown one)."""
+        adapter = self.lora.get(name) if self.lora is not None else None
+        return adapter.in_use if adapter is not None else 0
+
+    def _let_go_of_adapter(self, seq: Sequence) -> None:
+        if seq.lora_name is not None and (adapter := self.lora.get(seq.lora_name)) is not None:
+            adapter.in_use -= 1
+
     # ------------------------------------------------------------ scoring
 
-    def prompt_logits(self, token_ids: list[int]):
-        """Logits `[len, vocab]` at every position of `token_ids` (teacher forcing)."""
-        seq = Sequence("__score__", 0, len(token_ids), list(token_ids), SamplingParams(), 0)
+    def prompt_logits(self, token_ids: list[int], lora_name: str | None = None):
+        """Logits `[len, vocab]` at every position of `token_ids` (teacher forcing), under the
+        LoRA adapter `lora_name` if given."""
+        seq = Sequence("__score__", 0, len(token_ids), list(token_ids), SamplingParams(), 0,
+                       lora_name=lora_name)
+        if lora_name is not None:
+            self._adapter(lora_name)
+            if self.lora.acquire(lora_name) is None:
+                raise InvalidRequest(f"no LoRA slot is free for {lora_name!r}: every slot is in use")
+            seq.lora_slot = self.lora.get(lora_name).slot
         if not self.blocks.reserve(seq, len(token_ids)):
             raise InvalidRequest(f"{len(token_ids)} tokens do not fit in the free KV pool")
         try:
             return self.runner.all_logits(ScheduledSeq(seq, len(token_ids)))
         finally:
             self.blocks.free_seq(seq)
+            if seq.lora_slot >= 0:
+                self.lora.release(seq.lora_slot)

@@ -13,6 +13,7 @@ time. See docs/observability.md.
 """
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -48,6 +49,9 @@ class Session:
     outbox: asyncio.Queue = field(default_factory=asyncio.Queue)
     keys: set[str] = field(default_factory=set)
     router_id: str = ""
+    # prompt + max_tokens over its requests: its part of LoadReport.tokens_in_flight. Written on
+    # the engine thread, read by the load reporter (an int: always whole under the GIL).
+    tokens_in_flight: int = 0
 
     def key(self, request_id: str) -> str:
         return f"{self.session_id}/{request_id}"
@@ -59,12 +63,15 @@ class Session:
 
 @dataclass(eq=False, slots=True)
 class RequestRecord:
-    """What the metrics and the trace need about one request, kept on the engine thread."""
+    """What the metrics, the trace and the load reports need about one request, kept on the
+    engine thread."""
     received: float                     # time.monotonic() when its Submit was read
     prompt_tokens: int
     span: Span | None                   # None when tracing is off
     first_token: float | None = None
     num_output: int = 0                 # tokens generated here (not those it arrived with)
+    lora_name: str = ""                 # its LoRA adapter ("": the base model)
+    tokens_in_flight: int = 0           # prompt + max_tokens (at most max_model_len), as reported
 
     def ttft_s(self) -> float | None:
         return None if self.first_token is None else self.first_token - self.received
@@ -75,6 +82,9 @@ def _delta(request_id: str, out: RequestOutput) -> pb.RequestDelta:
                             finish_reason=FINISH[out.finish_reason], num_prompt_tokens=out.num_prompt_tokens)
     for chosen, top in out.logprobs or ():
         delta.logprobs.add(logprob=chosen, top_token_ids=[t for t, _ in top], top_logprobs=[lp for _, lp in top])
+    for chosen, top in out.prompt_logprobs or ():
+        delta.prompt_logprobs.add(logprob=chosen, top_token_ids=[t for t, _ in top],
+                                  top_logprobs=[lp for _, lp in top])
     return delta
 
 
@@ -128,6 +138,18 @@ class EngineLoop:
     def call(self, command: Callable[[], None]) -> None:
         self.commands.put(command)
         self.wake.set()
+
+    async def ask(self, query: Callable[[], object]):
+        """Runs `query` on the engine thread between steps and returns (or raises) what it did."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def command() -> None:
+            try:
+                future.set_result(query())
+            except Exception as error:     # the caller's to report, not a failed command
+                future.set_exception(error)
+        self.call(command)
+        return await asyncio.wrap_future(future)
 
     # ------------------------------------------------------------ the thread
 
@@ -216,7 +238,7 @@ class EngineLoop:
             request_id = out.request_id.split("/", 1)[1]
             by_session.setdefault(session, []).append(_delta(request_id, out))
             record = self.records[out.request_id]
-            if record.first_token is None:
+            if record.first_token is None and out.new_token_ids:   # not a prompt chunk's logprobs
                 record.first_token = now
                 self.metrics.first_token(now - record.received, out.num_prompt_tokens)
             record.num_output += len(out.new_token_ids)
@@ -249,11 +271,15 @@ class EngineLoop:
         session = self.owner.pop(key, None)
         if session is not None:
             session.keys.discard(key)
-            self._close_record(self.records.pop(key), reason, error)
+            record = self.records.pop(key)
+            session.tokens_in_flight -= record.tokens_in_flight
+            self._close_record(record, reason, error)
 
     def _close_record(self, record: RequestRecord, reason: str, error: str | None = None) -> None:
         now = time.monotonic()
         self.metrics.finished(reason, now - record.received, record.ttft_s(), record.num_output)
+        if record.lora_name:
+            self.metrics.lora_finished(record.lora_name, record.num_output)
         if record.span is not None:
             if reason == "drained":
                 record.span.add_event("drained", timestamp=tracing.span_time_ns(now))
@@ -279,7 +305,8 @@ class EngineLoop:
     def submit(self, session: Session, msg: pb.Submit, received: float) -> None:
         """`received`: time.monotonic() when the Submit was read, where its latencies start."""
         key = session.key(msg.request_id)
-        record = RequestRecord(received, len(msg.prompt_token_ids), self._start_span(msg, received))
+        record = RequestRecord(received, len(msg.prompt_token_ids), self._start_span(msg, received),
+                               lora_name=msg.lora_name)
         if self.draining:
             session.send(_handed_back(msg.request_id, self.fault or "draining", self.fault is not None))
             self._close_record(record, "drained")
@@ -292,7 +319,8 @@ class EngineLoop:
                 raise InvalidRequest(f"n={params.n} is invalid: a Submit carries one choice (n=1); "
                                      "the router fans out n > 1")
             self.engine.add_request(key, list(msg.prompt_token_ids), params, priority=msg.priority,
-                                    output_token_ids=list(msg.output_token_ids))
+                                    output_token_ids=list(msg.output_token_ids),
+                                    lora_name=msg.lora_name or None)
         except InvalidRequest as e:
             session.send(_event(msg.request_id, pb.EVENT_KIND_FAILED, message=str(e)))
             self._close_record(record, "failed", str(e))
@@ -300,6 +328,8 @@ class EngineLoop:
         self.owner[key] = session
         self.records[key] = record
         session.keys.add(key)
+        record.tokens_in_flight = self.engine.requests[key][0].max_len
+        session.tokens_in_flight += record.tokens_in_flight
 
     def _start_span(self, msg: pb.Submit, received: float) -> Span | None:
         """The request's span on this worker, a child of the router's span in `trace_context`."""
@@ -309,6 +339,8 @@ class EngineLoop:
                                                 len(msg.prompt_token_ids))
         if msg.output_token_ids:       # migrated or re-dispatched: continues after these
             attributes["pagedserve.prior_output_tokens"] = len(msg.output_token_ids)
+        if msg.lora_name:
+            attributes["pagedserve.lora.name"] = msg.lora_name
         return tracing.start_span(f"text_completion {self.model_name}", parent=tracing.extract(msg.trace_context),
                                   kind=SpanKind.SERVER, attributes=attributes,
                                   start_time_ns=tracing.span_time_ns(received))

@@ -3,6 +3,7 @@ EngineConfig they make. Imports no torch, so a router's `pagedserve serve --help
 `--role router` start without it."""
 
 import argparse
+import json
 
 from worker.config import QUANTIZATION_METHODS, EngineConfig
 
@@ -21,8 +22,25 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         num_blocks=args.num_blocks, swap_space_gb=args.swap_space, num_swap_blocks=args.num_swap_blocks,
         preemption_mode=args.preemption_mode, enable_prefix_caching=args.enable_prefix_caching,
         scheduling_policy=args.scheduling_policy, enforce_eager=args.enforce_eager,
+        logits_processors=tuple(args.logits_processors or ()),
         async_scheduling=args.async_scheduling, tensor_parallel_size=args.tensor_parallel_size,
-        stall_timeout_s=args.engine_stall_timeout)
+        stall_timeout_s=args.engine_stall_timeout, enable_lora=args.enable_lora or bool(args.lora_modules),
+        max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
+        lora_modules=dict(args.lora_modules or ()))
+
+
+def lora_module(text: str) -> tuple[str, str]:
+    """One --lora-modules entry: `name=path`, or vLLM's JSON `{"name": ..., "path": ...}`."""
+    if text.lstrip().startswith("{"):
+        try:
+            entry = json.loads(text)
+            return str(entry["name"]), str(entry["path"])
+        except (ValueError, KeyError, TypeError):
+            raise argparse.ArgumentTypeError(f"{text!r}: a JSON entry needs \"name\" and \"path\"") from None
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected name=path")
+    return name, path
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -59,6 +77,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
       help="share KV blocks of equal prompt prefixes")
     a("--scheduling-policy", default=d.scheduling_policy, choices=["fcfs", "priority"])
     a("--enforce-eager", action="store_true", default=d.enforce_eager, help="no CUDA graphs")
+    a("--logits-processors", nargs="+", default=None, metavar="SPEC",
+      help="custom logits processors requests may select by name: entry points of the "
+           "pagedserve.logits_processors group (length_temperature ships with pagedserve) or "
+           "module:Class (see worker/logits_processors.py)")
     a("--async-scheduling", action=argparse.BooleanOptionalAction, default=d.async_scheduling,
       help="launch each step before reading the previous one's tokens, so the GPU never waits "
            "for the host (stop tokens are seen one step late); default: on with a GPU, off on "
@@ -68,3 +90,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     a("--engine-stall-timeout", type=float, default=d.stall_timeout_s,
       help="the worker's watchdog: seconds its engine may hold runnable work without advancing "
            "it before the worker logs the engine's state and reports NOT_SERVING (0: off)")
+    a("--enable-lora", action="store_true", default=d.enable_lora,
+      help="serve LoRA adapters (PEFT format) beside the base model, chosen per request")
+    a("--max-loras", type=int, default=d.max_loras, help="LoRA adapters one step can mix (device slots)")
+    a("--max-lora-rank", type=int, default=d.max_lora_rank, help="largest LoRA rank accepted (up to 256)")
+    a("--max-cpu-loras", type=int, default=d.max_cpu_loras,
+      help="LoRA adapters held in host memory; beyond, the least recently used idle one is dropped")
+    a("--lora-modules", nargs="+", type=lora_module, default=None, metavar="NAME=PATH",
+      help="LoRA adapters to load at start (implies --enable-lora); also JSON {\"name\": ..., \"path\": ...}")

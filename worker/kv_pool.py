@@ -3,7 +3,9 @@
 Blocks hold `block_size` tokens of K/V for every layer. A sequence owns an ordered block
 table; blocks shared by several sequences (a cached prefix, the prompt of an n > 1 request)
 are reference-counted. A full block is identified by a chained hash, `hash((previous block's
-hash, its token ids))`, so equal hashes mean equal prefixes. When its last user lets go, a
+hash, its token ids))`, so equal hashes mean equal prefixes; the first block's chain starts
+from the sequence's `cache_salt` (its LoRA adapter: the same tokens under another adapter
+have other K/V). When its last user lets go, a
 hashed block keeps its contents in the free list (least recently freed first out) and a later
 request with the same prefix takes it back instead of recomputing it.
 """
@@ -72,8 +74,8 @@ class BlockManager:
         assert not seq.block_table
         if not self.enable_prefix_caching:
             return
-        prev = None
-        for i in range((seq.num_tokens - 1) // self.block_size):
+        prev = seq.cache_salt
+        for i in range(self._matchable_blocks(seq)):
             tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
             h = chain_hash(prev, tokens)
             block_id = self.cached.get(h)
@@ -98,7 +100,16 @@ class BlockManager:
             return
         hits = seq.num_cached_tokens // self.block_size
         self.prefix_hits += hits
-        self.prefix_queries += min(hits + 1, (seq.num_tokens - 1) // self.block_size)
+        self.prefix_queries += min(hits + 1, self._matchable_blocks(seq))
+
+    def _matchable_blocks(self, seq: Sequence) -> int:
+        """Full blocks of a sequence that may come from the cache: all but its last token's,
+        and none past the prompt logprobs it still owes, which need their positions' logits
+        (cached blocks hold K/V only: a step must compute those positions anyway)."""
+        tokens = seq.num_tokens - 1
+        if seq.owes_prompt_logprobs:
+            tokens = min(tokens, seq.prompt_logprobs_next - 1)
+        return tokens // self.block_size
 
     def reserve(self, seq: Sequence, num_tokens: int) -> bool:
         """Makes the sequence's table cover `num_tokens` tokens; False if the pool is short."""
@@ -142,7 +153,7 @@ class BlockManager:
         full = min(seq.num_computed, len(seq.token_ids)) // self.block_size   # known tokens only
         for i in range(len(seq.block_hashes), full):
             tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
-            h = chain_hash(seq.block_hashes[-1] if seq.block_hashes else None, tokens)
+            h = chain_hash(seq.block_hashes[-1] if seq.block_hashes else seq.cache_salt, tokens)
             seq.block_hashes.append(h)
             block = self.blocks[seq.block_table[i]]
             if block.hash is None and h not in self.cached:

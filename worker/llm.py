@@ -8,6 +8,7 @@ from common.sampling_params import InvalidRequest, SamplingParams
 from worker.config import EngineConfig
 from worker.engine import LLMEngine
 from worker.models.loader import load_tokenizer
+from worker.models.lora_checkpoint import read_lora_adapter
 
 
 @dataclass
@@ -25,10 +26,16 @@ class Completion:
     prompt_token_ids: list[int]
     choices: list[Choice]
     num_cached_tokens: int = 0
+    # With params.prompt_logprobs: per prompt token, (its logprob, [(token id, logprob) of the
+    # top n]); None for the first token, which nothing predicts (as in vLLM).
+    prompt_logprobs: list | None = None
 
 
 class LLM:
     """Runs the engine to completion over a batch of prompts (strings or token id lists).
+
+    With `enable_lora=True`, `add_lora(name, path)` loads a PEFT adapter and
+    `generate(..., lora_name=name)` runs prompts under it.
 
     With `tensor_parallel_size` > 1 the other ranks are processes: call `close()` (or use
     `with LLM(...) as llm:`) to end them, and start the program under
@@ -49,8 +56,18 @@ class LLM:
     def close(self) -> None:
         self.engine.close()
 
+    def add_lora(self, name: str, path: str) -> None:
+        """Loads the PEFT adapter directory `path` under `name` (replacing an adapter of
+        that name); raises LoRAAdapterError naming the file and the problem."""
+        engine = self.engine
+        engine.add_lora(read_lora_adapter(name, path, engine.model_config, engine.config.max_lora_rank,
+                                          engine.runner.dtype))
+
+    def remove_lora(self, name: str) -> None:
+        self.engine.remove_lora(name)
+
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
-                 show_progress: bool = False) -> list[Completion]:
+                 show_progress: bool = False, lora_name: str | None = None) -> list[Completion]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
@@ -61,8 +78,9 @@ class LLM:
             # The tokenizer's own special-token rule (a Llama 3 BOS), as the router encodes text.
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             rid = f"offline-{next(self._ids)}"
-            self.engine.add_request(rid, ids, p)
-            completions[rid] = Completion(rid, ids, [Choice(i) for i in range(p.n)])
+            self.engine.add_request(rid, ids, p, lora_name=lora_name)
+            completions[rid] = Completion(rid, ids, [Choice(i) for i in range(p.n)],
+                                          prompt_logprobs=None if p.prompt_logprobs is None else [None])
         finished = self._run(completions)
         for _ in progress(finished, len(completions), "generating") if show_progress else finished:
             pass
@@ -80,6 +98,8 @@ class LLM:
                 choice.token_ids += out.new_token_ids
                 if out.logprobs:
                     choice.logprobs += out.logprobs
+                if out.prompt_logprobs:
+                    completion.prompt_logprobs += out.prompt_logprobs
                 completion.num_cached_tokens = out.num_cached_tokens
                 if out.finish_reason is not None:
                     choice.finish_reason = out.finish_reason.value

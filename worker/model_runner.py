@@ -19,14 +19,21 @@ from worker.config import EngineConfig, ModelConfig
 from worker.context import AttentionMetadata, set_context
 from worker.cuda_graphs import DecodeGraphs
 from worker.kv_pool import allocate_kv_cache
+from worker.lora import LoRASlots, attach_lora
 from worker.models.loader import ModelSource, load_model
 from worker.parallel import Shard, device_for, min_over_ranks
-from worker.sampler import SampledTokens, SamplingBatch, sample
+from worker.sampler import PromptLogprobs, PromptScoring, SampledTokens, SamplingBatch, sample, token_logprobs
 from worker.scheduler import ScheduledSeq
 from worker.step_channel import StepArrays, StepChannel
 from worker.transfer import to_device
 
 log = logging.getLogger("pagedserve.worker")
+
+# Rows of logits computed at once for prompt logprobs. The pool is sized after a profile whose
+# forward computed this many rows' logits, so a step scoring a whole prefill chunk computes
+# them this many at a time, keeping only their logprobs, rather than a chunk's worth (budget x
+# vocabulary floats: 1 GiB for 2048 tokens of a 128k vocabulary) the profile never measured.
+MAX_LOGITS_ROWS = 256
 
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
@@ -64,6 +71,10 @@ class ModelRunner:
         self.model_config, self.model = loaded or load_model(source, self.device, self.dtype, config.seed, shard,
                                                             config.quantization)
         self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads     # this rank's
+        # Before the pool is sized: the adapter slots take device memory too.
+        self.lora = None if not config.enable_lora else LoRASlots(
+            attach_lora(self.model, config.max_loras, config.max_lora_rank), config.max_loras,
+            config.max_cpu_loras)
         self.num_blocks = self._size_pool()
         # Rank 0 of a tensor-parallel worker sends every device operation to the other ranks.
         self.channel = StepChannel(self.device, shard) if shard.size > 1 and shard.rank == 0 else None
@@ -90,7 +101,8 @@ class ModelRunner:
             if not config.enforce_eager and shard.size == 1:
                 self.graphs = DecodeGraphs(
                     self.model, min(config.max_num_seqs, config.max_num_batched_tokens),
-                    self.max_blocks_per_seq, self.max_model_len, cfg.hidden_size, self.dtype, self.device)
+                    self.max_blocks_per_seq, self.max_model_len, cfg.hidden_size, self.dtype, self.device,
+                    lora=self.lora is not None)
                 log.info("capturing CUDA graphs of decode steps for %d batch sizes", len(self.graphs.sizes))
                 self.graphs.capture()
         log.info("model %s on %s (%s): %d KV blocks of %d tokens = %d tokens, %.2f GiB",
@@ -146,7 +158,8 @@ class ModelRunner:
             "input_ids": pinned(tokens, dt=torch.int64), "positions": pinned(tokens, dt=torch.int64),
             "slot_mapping": pinned(tokens, dt=torch.int64), "seq_lens": pinned(seqs, dt=torch.int32),
             "query_start_loc": pinned(seqs + 1, dt=torch.int32),
-            "block_tables": pinned(seqs * self.max_blocks_per_seq, dt=torch.int32)} for _ in range(2)]
+            "block_tables": pinned(seqs * self.max_blocks_per_seq, dt=torch.int32),
+            "lora_slots": pinned(tokens, dt=torch.int32)} for _ in range(2)]
         self.staging_copied: list[torch.cuda.Event | None] = [None, None]
         self.staging_turn = 0
         self.staging = self.staging_sets[0]
@@ -185,7 +198,7 @@ class ModelRunner:
         for layer in self.model.layers:
             layer.self_attn.k_cache = layer.self_attn.v_cache = empty_pool
         try:
-            self.model.compute_logits(self.model(ids, ids)[-256:])
+            self.model.compute_logits(self.model(ids, ids)[-MAX_LOGITS_ROWS:])
         finally:
             set_context(None)
         torch.cuda.synchronize()
@@ -239,6 +252,10 @@ class ModelRunner:
             seq_lens=self._to_device(seq_lens.astype(np.int32), "seq_lens"),
             query_start_loc=self._to_device(query_start_loc.astype(np.int32), "query_start_loc"),
             max_query_len=int(query_lens.max()), max_seq_len=int(seq_lens.max()))
+        if self.lora is not None:
+            seq_slots = np.array([s.seq.lora_slot for s in scheduled], dtype=np.int32)
+            if (seq_slots >= 0).any():      # a step of base-model tokens skips the adapters
+                metadata.lora_slots = self._to_device(np.repeat(seq_slots, query_lens), "lora_slots")
         if self.device.type == "cuda" and metadata.max_query_len == 1:
             # Decode kernels split the context by this bound; CUDA graphs must use the largest
             # one, and eager decodes use it too so both paths compute the same numbers.
@@ -280,9 +297,11 @@ class ModelRunner:
             self.channel.send_copies(pairs)
         copy_blocks(list(self.kv_cache.flatten(0, 1)), pairs)
 
-    def forward_logits(self, step: StepArrays) -> torch.Tensor | None:
-        """The forward of a step, then the logits of `step.rows` (on rank 0; None elsewhere,
-        and when there are no rows)."""
+    def forward_logits(self, step: StepArrays, targets: tuple[torch.Tensor, int] | None = None
+                       ) -> tuple[torch.Tensor | None, PromptLogprobs | None]:
+        """The forward of a step, then the logits of `step.rows` and the prompt logprobs of
+        `step.score_rows` (on rank 0, where `targets` holds the scored tokens and the top-n to
+        keep; None elsewhere, and when there are no such rows)."""
         if self.channel is not None:
             self.channel.send_step(step)
         md = step.metadata
@@ -298,16 +317,34 @@ class ModelRunner:
                 hidden = self.model(step.input_ids, step.positions)
             finally:
                 set_context(None)
-        return None if step.rows is None else self.model.compute_logits(hidden[step.rows])
+        logits = None if step.rows is None else self.model.compute_logits(hidden[step.rows])
+        return logits, self._score(hidden, step.score_rows, targets)
+
+    def _score(self, hidden: torch.Tensor, rows: torch.Tensor | None,
+               targets: tuple[torch.Tensor, int] | None) -> PromptLogprobs | None:
+        """The prompt logprobs of hidden `rows`: their logits MAX_LOGITS_ROWS at a time, each
+        slice reduced to logprobs before the next is computed. Every rank computes the logits
+        (gathering them is a collective); rank 0, which has `targets`, reduces them."""
+        if rows is None:
+            return None
+        parts = []
+        for start in range(0, rows.numel(), MAX_LOGITS_ROWS):
+            logits = self.model.compute_logits(hidden[rows[start:start + MAX_LOGITS_ROWS]])
+            if logits is not None:
+                token_ids, top_n = targets
+                parts.append(token_logprobs(logits, token_ids[start:start + MAX_LOGITS_ROWS], top_n))
+        return PromptLogprobs(tuple(torch.cat(part) for part in zip(*parts))) if parts else None
 
     @torch.inference_mode()
     def forward(self, scheduled: list[ScheduledSeq], logits_rows: list[int],
-                previous: SampledTokens | None = None) -> torch.Tensor | None:
+                previous: SampledTokens | None = None, scoring: PromptScoring | None = None
+                ) -> tuple[torch.Tensor | None, PromptLogprobs | None]:
         """Launches the forward of the step: the logits at the last position of each sequence
         in `logits_rows` (indices into `scheduled`, repeated for a request forking n > 1), or
-        None without rows. `previous`: the draws of the step in flight, holding the pending
-        tokens. Sampling is apart (`sample`), so the host can prepare what sampling needs
-        (grammar masks) while the forward runs."""
+        None without rows, and the logprobs of the prompt tokens `scoring` asks for (None
+        without). `previous`: the draws of the step in flight, holding the pending tokens.
+        Sampling is apart (`sample`), so the host can prepare what sampling needs (grammar
+        masks) while the forward runs."""
         if self.pending_copies:
             self.copy_blocks(to_device(self.pending_copies, torch.long, self.device))
             self.pending_copies.clear()
@@ -317,7 +354,11 @@ class ModelRunner:
             rows = metadata.query_start_loc[1:].long() - 1
             if logits_rows != list(range(len(scheduled))):    # skip the index copy when all sample once
                 rows = rows[to_device(logits_rows, torch.long, self.device)]
-        return self.forward_logits(StepArrays(input_ids, positions, metadata, rows))
+        score_rows = targets = None
+        if scoring is not None:
+            score_rows = to_device(scoring.rows, torch.long, self.device)
+            targets = (to_device(scoring.token_ids, torch.long, self.device), scoring.top_n)
+        return self.forward_logits(StepArrays(input_ids, positions, metadata, rows, score_rows), targets)
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampledTokens:
@@ -329,6 +370,6 @@ class ModelRunner:
         """Logits at every position of one sequence's chunk (teacher forcing, scoring)."""
         input_ids, positions, metadata = self.prepare([scheduled])
         rows = torch.arange(input_ids.numel(), device=self.device)
-        return self.forward_logits(StepArrays(input_ids, positions, metadata, rows))
+        return self.forward_logits(StepArrays(input_ids, positions, metadata, rows))[0]
 
 

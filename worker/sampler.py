@@ -1,4 +1,5 @@
-"""Batched sampling on the device: penalties, temperature, top-k/top-p/min-p, seeded draws.
+"""Batched sampling on the device: logit bias, allowed ids, penalties, bad words, temperature,
+top-k/top-p/min-p, seeded draws; and the model's own logprobs (of drawn and of prompt tokens).
 
 Randomness of a seeded sequence is a pure function of (seed, position, token id): a counter-
 based hash gives each vocabulary entry a uniform number, and the token drawn is the winner of
@@ -9,9 +10,11 @@ recompute or migration to another worker.
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from common.sampling_params import SamplingParams
+from worker.logits_processors import LogitsProcessor, ProcessorBatch
 from worker.transfer import to_device
 
 _M32 = 0xFFFFFFFF
@@ -34,16 +37,66 @@ def seeded_uniform(seeds: torch.Tensor, positions: torch.Tensor, token_ids: torc
     return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
 
 
+@dataclass(frozen=True)
+class BadWords:
+    """A request's bad words as token sequences (`LLMEngine.add_request` tokenizes them):
+    `tokens`, the words of one token, never drawn; `sequences`, longer ones, each of whose last
+    token is not drawn where the output so far ends with the rest of it."""
+    tokens: tuple[int, ...] = ()
+    sequences: tuple[tuple[int, ...], ...] = ()
+
+
 @dataclass
 class SamplingRow:
     """What sampling needs of one sequence; its token lists are read only when a penalty
-    asks for them (copying them every step would cost O(length) per sequence)."""
+    or a bad word of several tokens asks for them (copying them every step would cost
+    O(length) per sequence)."""
     params: SamplingParams
     seed: int
     position: int                   # of the token being drawn
-    token_ids: list[int]            # prompt followed by the generated tokens
+    token_ids: list[int]            # prompt followed by the generated tokens the host knows
     prompt_len: int
     banned: list[int]               # ids masked for min_tokens
+    bad_words: BadWords | None = None
+    # Its pending token's row among the previous step's draws (`SamplingBatch.build`'s
+    # `pending`), the last generated token, which the host does not know yet; -1: none.
+    pending_row: int = -1
+
+
+@dataclass
+class BadWordSequences:
+    """The bad words of several tokens of a step's rows, one entry each, on the device: entry e
+    bans token `last[e]` in row `rows[e]` when `recent[e]`, the row's latest output tokens, end
+    with `prefixes[e]` (both right-aligned over the longest prefix, -1 before their start)."""
+    rows: torch.Tensor       # [E]
+    last: torch.Tensor       # [E]
+    prefixes: torch.Tensor   # [E, W]
+    recent: torch.Tensor     # [E, W]
+
+    @classmethod
+    def build(cls, rows: list[SamplingRow], device: torch.device, pending: torch.Tensor | None
+              ) -> "BadWordSequences | None":
+        entries = [(i, word) for i, r in enumerate(rows) if r.bad_words for word in r.bad_words.sequences]
+        if not entries:
+            return None
+        width = max(len(word) for _, word in entries) - 1
+
+        def recent(row: SamplingRow) -> list[int]:
+            # A pending token ends the output; its place is filled on the device below.
+            has_pending = row.pending_row >= 0
+            known = row.token_ids[max(row.prompt_len, len(row.token_ids) - width + has_pending):]
+            tail = known + [-1] * has_pending
+            return [-1] * (width - len(tail)) + tail
+
+        long = lambda xs: to_device(xs, torch.long, device)  # noqa: E731
+        out = cls(rows=long([i for i, _ in entries]), last=long([word[-1] for _, word in entries]),
+                  prefixes=long([[-1] * (width + 1 - len(word)) + list(word[:-1]) for _, word in entries]),
+                  recent=long([recent(rows[i]) for i, _ in entries]))
+        waiting = [(e, rows[i].pending_row) for e, (i, _) in enumerate(entries) if rows[i].pending_row >= 0]
+        if waiting:
+            entry_ids, pending_rows = zip(*waiting)
+            out.recent[long(entry_ids), -1] = pending[long(pending_rows)]
+        return out
 
 
 @dataclass
@@ -62,10 +115,14 @@ class SamplingBatch:
     repetition: torch.Tensor | None
     output_ids: torch.Tensor | None  # [B, L] padded with -1, only when penalties are used
     prompt_ids: torch.Tensor | None  # [B, L'] padded with -1, only for repetition penalty
-    banned: tuple[list[int], list[int]] | None  # (rows, token ids) masked for min_tokens
+    banned: tuple[list[int], list[int]] | None  # (rows, token ids) masked: min_tokens, one-token bad words
     # (rows, token ids, biases) of logit_bias, and (rows, token ids) of allowed_token_ids.
     bias: tuple[list[int], list[int], list[float]] | None
     only: tuple[list[int], list[int]] | None
+    bad_sequences: BadWordSequences | None     # bad words of several tokens (one-token ones are banned)
+    # The custom logits processors some row selected, in the worker's order, each with the
+    # indices of those rows and what it knows of them.
+    processors: list[tuple[LogitsProcessor, torch.Tensor, ProcessorBatch]]
     all_greedy: bool
     any_top_k: bool
     any_top_p: bool
@@ -80,7 +137,11 @@ class SamplingBatch:
     allowed: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
-    def build(cls, rows: list[SamplingRow], vocab_size: int, device: torch.device) -> "SamplingBatch":
+    def build(cls, rows: list[SamplingRow], vocab_size: int, device: torch.device,
+              pending: torch.Tensor | None = None, processors: dict[str, LogitsProcessor] | None = None
+              ) -> "SamplingBatch":
+        """`pending`: the previous step's draws on the device, where rows' pending tokens are;
+        `processors`: the worker's custom logits processors, by name."""
         params = [r.params for r in rows]
         f32 = lambda xs: to_device(xs, torch.float32, device)  # noqa: E731
         penalties = any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
@@ -93,8 +154,9 @@ class SamplingBatch:
 
         bias = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias.items()]
         only = [(i, t) for i, p in enumerate(params) for t in p.allowed_token_ids]
-        banned_rows = [i for i, r in enumerate(rows) for _ in r.banned]
-        banned_ids = [t for r in rows for t in r.banned]
+        # min_tokens' bans, and the bad words of one token.
+        banned = [(i, t) for i, r in enumerate(rows)
+                  for t in (*r.banned, *(r.bad_words.tokens if r.bad_words else ()))]
         all_greedy = all(p.greedy for p in params)
         sampling = [p for p in params if not p.greedy]
         # A greedy batch needs none of the per-row tensors: skip their host-to-device copies.
@@ -114,9 +176,11 @@ class SamplingBatch:
             repetition=needs(penalties, lambda: f32([p.repetition_penalty for p in params])),
             output_ids=needs(penalties, lambda: padded([r.token_ids[r.prompt_len:] for r in rows])),
             prompt_ids=needs(repetition, lambda: padded([r.token_ids[:r.prompt_len] for r in rows])),
-            banned=(banned_rows, banned_ids) if banned_ids else None,
+            banned=tuple(map(list, zip(*banned))) if banned else None,
             bias=tuple(map(list, zip(*bias))) if bias else None,
             only=tuple(map(list, zip(*only))) if only else None,
+            bad_sequences=BadWordSequences.build(rows, device, pending),
+            processors=_processor_calls(rows, processors or {}, device),
             all_greedy=all_greedy,
             any_top_k=any(0 < p.top_k < vocab_size for p in sampling),
             any_top_p=any(p.top_p < 1.0 for p in sampling),
@@ -135,27 +199,89 @@ class SampleResult:
     logprobs: list[tuple[float, list[tuple[int, float]]] | None]
 
 
-class SampledTokens:
-    """One step's draws. `token_ids` stays on the device, where the next step reads the
-    tokens it computes; the host copies are started at once and `read` waits for them only,
-    so the host can prepare and launch the next step meanwhile."""
+class _HostCopies:
+    """Device tensors on their way to the host: the copies start at once and `lists` waits for
+    them only, so the host can prepare and launch the next step meanwhile."""
 
-    def __init__(self, token_ids: torch.Tensor, logprob_tensors: tuple[torch.Tensor, ...] | None):
-        self.token_ids = token_ids
-        self._host = [t.to("cpu", non_blocking=True) for t in (token_ids, *(logprob_tensors or ()))]
+    def __init__(self, tensors: tuple[torch.Tensor, ...]):
+        self._host = [t.to("cpu", non_blocking=True) for t in tensors]
         self._ready = None
-        if token_ids.is_cuda:
+        if tensors[0].is_cuda:
             self._ready = torch.cuda.Event()
             self._ready.record()
 
-    def read(self) -> SampleResult:
+    def lists(self) -> list[list]:
         if self._ready is not None:
             self._ready.synchronize()
-        token_ids, *logprob_tensors = (t.tolist() for t in self._host)
-        if not logprob_tensors:
+        return [t.tolist() for t in self._host]
+
+
+def _pair_logprobs(chosen: list[float], top_ids: list[list[int]], top_values: list[list[float]]
+                   ) -> list[tuple[float, list[tuple[int, float]]]]:
+    return [(c, list(zip(i, v))) for c, i, v in zip(chosen, top_ids, top_values)]
+
+
+class SampledTokens:
+    """One step's draws. `token_ids` stays on the device, where the next step reads the
+    tokens it computes; their host copies (and the logprobs') are read by `read`."""
+
+    def __init__(self, token_ids: torch.Tensor, logprob_tensors: tuple[torch.Tensor, ...] | None):
+        self.token_ids = token_ids
+        self._copies = _HostCopies((token_ids, *(logprob_tensors or ())))
+
+    def read(self) -> SampleResult:
+        token_ids, *logprob_lists = self._copies.lists()
+        if not logprob_lists:
             return SampleResult(token_ids, [None] * len(token_ids))
-        chosen, top_ids, top_values = logprob_tensors
-        return SampleResult(token_ids, [(c, list(zip(i, v))) for c, i, v in zip(chosen, top_ids, top_values)])
+        return SampleResult(token_ids, _pair_logprobs(*logprob_lists))
+
+
+@dataclass
+class PromptScoring:
+    """The prompt tokens one step scores (prompt logprobs), on the host: `rows` are the step's
+    flat token indices whose logits predict them, `token_ids` the tokens (each the prompt
+    token after its row's), `top_n` the widest top-n asked for."""
+    rows: np.ndarray
+    token_ids: list[int]
+    top_n: int
+
+
+class PromptLogprobs:
+    """One step's prompt logprobs, `token_logprobs`' three tensors, on their way to the host."""
+
+    def __init__(self, tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor]):
+        self._copies = _HostCopies(tensors)
+
+    def read(self) -> list[tuple[float, list[tuple[int, float]]]]:
+        """Per scored token: (its logprob, [(token id, logprob) of the top n])."""
+        return _pair_logprobs(*self._copies.lists())
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, top_n: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The model's own logprobs (a log-softmax of `logits[R, V]`): of `token_ids[R]`, and the
+    `top_n` largest of each row, as (chosen [R], top ids [R, top_n], top values [R, top_n])."""
+    lp = logits.log_softmax(-1)
+    top_values, top_ids = lp.topk(top_n, dim=-1)
+    return lp.gather(1, token_ids[:, None])[:, 0], top_ids, top_values
+
+
+def _processor_calls(rows: list[SamplingRow], processors: dict[str, LogitsProcessor], device: torch.device
+                     ) -> list[tuple[LogitsProcessor, torch.Tensor, ProcessorBatch]]:
+    """Each processor some row selected, with those rows and what it knows of them."""
+    if not any(r.params.logits_processors for r in rows):
+        return []
+    long = lambda xs: to_device(xs, torch.long, device)  # noqa: E731
+    calls = []
+    for name, processor in processors.items():
+        indices = [i for i, r in enumerate(rows) if name in r.params.logits_processors]
+        if indices:
+            selected = [rows[i] for i in indices]
+            calls.append((processor, long(indices), ProcessorBatch(
+                prompt_lens=long([r.prompt_len for r in selected]),
+                output_lens=long([r.position - r.prompt_len for r in selected]),
+                extra_args=[r.params.extra_args for r in selected])))
+    return calls
 
 
 def _token_counts(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -198,6 +324,14 @@ def filter_logits(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     return logits
 
 
+def apply_bad_word_sequences(logits: torch.Tensor, b: BadWordSequences) -> torch.Tensor:
+    """`logits` with each bad word's last token at -inf in its row where the row's output ends
+    with the rest of the word: all entries compared at once, no host sync (the entries that
+    do not match add 0)."""
+    matches = ((b.recent == b.prefixes) | (b.prefixes < 0)).all(-1)
+    return logits.index_put((b.rows, b.last), torch.where(matches, float("-inf"), 0.0), accumulate=True)
+
+
 def apply_allowed(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """`logits` with every token a row's bitmask does not allow at -inf (rows without a mask
     untouched); the bits unpack on the device, one int32 word per 32 tokens."""
@@ -224,8 +358,12 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> SampledTokens:
     if b.banned is not None:
         rows, ids = (to_device(x, torch.long, logits.device) for x in b.banned)
         logits = logits.index_put((rows, ids), torch.full((), float("-inf"), device=logits.device))
+    if b.bad_sequences is not None:
+        logits = apply_bad_word_sequences(logits, b.bad_sequences)
     if b.allowed is not None:
         logits = apply_allowed(logits, *b.allowed)
+    for processor, rows, state in b.processors:
+        logits = logits.index_copy(0, rows, processor.apply(logits[rows], state))
     greedy_ids = logits.argmax(-1)
     if b.all_greedy:
         token_ids = greedy_ids
@@ -240,6 +378,4 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> SampledTokens:
 
     if b.logprobs_top_n is None:
         return SampledTokens(token_ids, None)
-    lp = raw.log_softmax(-1)
-    top_values, top_ids = lp.topk(b.logprobs_top_n, dim=-1)
-    return SampledTokens(token_ids, (lp.gather(1, token_ids[:, None])[:, 0], top_ids, top_values))
+    return SampledTokens(token_ids, token_logprobs(raw, token_ids, b.logprobs_top_n))

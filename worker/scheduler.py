@@ -6,7 +6,9 @@ then admits waiting sequences with what is left. Prompt and generated tokens are
 thing here: a sequence just has tokens not yet computed. When the pool runs out of blocks the
 lowest-priority running sequence (the latest, under FCFS) is preempted: its blocks are copied
 to host swap space when there is room (and brought back when the pool has room again), else
-they are freed and it waits to be recomputed.
+they are freed and it waits to be recomputed. A sequence under a LoRA adapter runs only while
+its adapter holds a device slot (`worker.lora`): one waiting for a slot lets the sequences
+behind it go first.
 """
 
 import bisect
@@ -14,6 +16,7 @@ from dataclasses import dataclass, field
 
 from worker.config import EngineConfig
 from worker.kv_pool import BlockManager, SwapPool
+from worker.lora import LoRASlots
 from worker.sequence import Sequence, SeqStatus
 
 SWAP, RECOMPUTE = "swap", "recompute"
@@ -32,10 +35,13 @@ class SchedulerEvent:
 class ScheduledSeq:
     seq: Sequence
     num_tokens: int          # tokens computed for it this step
-    samples: bool = False    # this step computes its last known token, so it draws a new one
+    # This step computes its last known token, so it draws a new one (unless max_tokens is 0:
+    # a prompt scored for its prompt logprobs draws nothing).
+    samples: bool = False
 
     def __post_init__(self):
-        self.samples = self.seq.num_computed + self.num_tokens == self.seq.num_tokens
+        self.samples = (self.seq.num_computed + self.num_tokens == self.seq.num_tokens
+                        and self.seq.params.max_tokens > 0)
 
 
 @dataclass
@@ -53,13 +59,15 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager, swap_pool: SwapPool):
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, swap_pool: SwapPool,
+                 lora: LoRASlots | None = None):
         self.max_num_seqs = config.max_num_seqs
         self.token_budget = config.max_num_batched_tokens
         self.priority_policy = config.scheduling_policy == "priority"
         self.preemption_mode = config.preemption_mode
         self.blocks = block_manager
         self.swap_pool = swap_pool
+        self.lora = lora
         self.waiting: list[Sequence] = []      # sorted by `_order`
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
@@ -75,8 +83,22 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         bisect.insort(self.waiting, seq, key=self._order)
 
+    def _take_lora_slot(self, seq: Sequence) -> bool:
+        """Pins the device slot of the sequence's adapter (if any); False: none is free."""
+        if seq.lora_name is None or seq.lora_slot >= 0:
+            return True
+        slot = self.lora.acquire(seq.lora_name)
+        seq.lora_slot = -1 if slot is None else slot
+        return slot is not None
+
+    def _leave_lora_slot(self, seq: Sequence) -> None:
+        if seq.lora_slot >= 0:
+            self.lora.release(seq.lora_slot)
+            seq.lora_slot = -1
+
     def remove(self, seq: Sequence) -> None:
         """Takes a sequence out of the queues and frees its blocks (finish or abort)."""
+        self._leave_lora_slot(seq)
         if seq.status == SeqStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status == SeqStatus.WAITING:
@@ -96,6 +118,7 @@ class Scheduler:
         Returns the mode used."""
         mode = mode or self.preemption_mode
         self.running.remove(seq)
+        self._leave_lora_slot(seq)
         if mode != RECOMPUTE and self.swap_pool.num_free >= len(seq.block_table):
             seq.swap_blocks = self.swap_pool.take(len(seq.block_table))
             self.pending_swaps += [("out", d, h) for d, h in zip(seq.block_table, seq.swap_blocks)]
@@ -120,6 +143,8 @@ class Scheduler:
             if len(self.running) >= self.max_num_seqs or \
                     self.blocks.num_free < len(seq.swap_blocks) + 1:
                 break
+            if not self._take_lora_slot(seq):
+                continue
             self.blocks.reserve(seq, seq.num_computed)
             self.pending_swaps += [("in", h, d) for h, d in zip(seq.swap_blocks, seq.block_table)]
             self.swap_pool.give_back(seq.swap_blocks)
@@ -146,8 +171,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if seq.at_max_len and seq.num_pending:
-                i += 1              # its pending token finishes it when read
+            if seq.at_max_len and seq.num_uncomputed <= seq.num_pending:
+                # Its pending token finishes it when read; or, a prompt scored with
+                # max_tokens 0, it is done once the step that computed it is read.
+                i += 1
                 continue
             n = min(seq.num_uncomputed, budget)
             while not self.blocks.reserve(seq, seq.num_computed + n):
@@ -163,13 +190,17 @@ class Scheduler:
 
         # New work only joins when nothing had to be preempted: admitting it would just
         # take the blocks the preempted sequences need to come back.
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
-            seq = self.waiting[0]
+        for seq in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.max_num_seqs or out.preempted:
+                break
             if seq.num_pending:
                 break               # preempted with its token in flight: back once it is read
+            if not self._take_lora_slot(seq):
+                continue            # every slot is pinned by other adapters' running sequences
             self.blocks.match_prefix(seq)
             n = min(seq.num_uncomputed, budget)
             if not self.blocks.reserve(seq, seq.num_computed + n):
+                self._leave_lora_slot(seq)
                 # A waiting sequence holds no blocks: kept, its matched prefix could be all
                 # that stops the running ones from growing (and, preempted in turn, their
                 # own matches would stop it), a stall with no one left to preempt. The

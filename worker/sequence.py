@@ -8,10 +8,16 @@ the step in flight, not yet known to the host. It counts in `num_tokens` (the ne
 computes it, reading it on the device) but is not in `token_ids` until the engine reads it.
 """
 
+from __future__ import annotations
+
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from common.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from worker.sampler import BadWords
 
 
 class SeqStatus(enum.Enum):
@@ -52,9 +58,16 @@ class Sequence:
     # moment while the next step is launched before the previous one's draws are read.
     num_pending: int = 0
     pending_row: int = -1               # the latest draw's row among its step's draws
+    # With params.prompt_logprobs: the next prompt position whose logprob a step has still to
+    # compute (position 0 has none). Kept through preemption: what was sent is not sent again.
+    prompt_logprobs_next: int = 1
+    bad_words: BadWords | None = None   # params.bad_words as token sequences
     # Its structured-output grammar state (llguidance LLMatcher) over the output tokens the
     # host has read; None when unconstrained (see worker.structured).
     matcher: object | None = None
+    lora_name: str | None = None        # its LoRA adapter; None: the base model
+    lora_slot: int = -1                 # the adapter's device slot while it runs (worker.lora)
+    cache_salt: int | None = None       # starts its prefix-cache hash chain (worker.kv_pool)
 
     @property
     def num_tokens(self) -> int:
@@ -73,6 +86,11 @@ class Sequence:
     @property
     def num_uncomputed(self) -> int:
         return self.num_tokens - self.num_computed
+
+    @property
+    def owes_prompt_logprobs(self) -> bool:
+        """It asked for prompt logprobs, and some are still to compute."""
+        return self.params.prompt_logprobs is not None and self.prompt_logprobs_next < self.prompt_len
 
     @property
     def at_max_len(self) -> bool:

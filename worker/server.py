@@ -26,11 +26,13 @@ from common.metrics import WorkerMetrics, serve_metrics
 from common.pb import worker_pb2 as pb
 from common.pb import worker_pb2_grpc
 from common.reflection import enable_reflection, pool_of
+from common.sampling_params import InvalidRequest
+from common.tls import ServerTls
 from worker import faults
 from worker.config import EngineConfig
 from worker.engine import LLMEngine
 from worker.engine_loop import EngineLoop, Session
-from worker.models.loader import load_tokenizer
+from worker.models.lora_checkpoint import LoRAAdapterError, read_lora_adapter
 from worker.scheduler import SWAP
 
 log = logging.getLogger("pagedserve.worker")
@@ -42,7 +44,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     def __init__(self, engine: LLMEngine, worker_id: str, model_name: str):
         self.engine = engine
         self.registry = CollectorRegistry()     # this worker's own: nothing global leaks in
-        self.metrics = WorkerMetrics(model_name, self.registry, lambda: self.loop.stats, engine.config.block_size)
+        self.metrics = WorkerMetrics(model_name, self.registry, lambda: self.loop.stats, engine.config.block_size,
+                                     engine.config.max_loras if engine.lora else 0)
         self.loop = EngineLoop(engine, self.metrics, model_name)
         self.loop.sessions_alive = lambda: set(self.sessions)
         self.worker_id = worker_id
@@ -59,9 +62,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             max_model_len=e.max_model_len, max_num_seqs=e.config.max_num_seqs,
             max_num_batched_tokens=e.config.max_num_batched_tokens, vocab_size=cfg.vocab_size,
             eos_token_ids=sorted(e.eos_token_ids), tensor_parallel_size=e.config.tensor_parallel_size,
-            prefix_caching=e.config.enable_prefix_caching)
+            prefix_caching=e.config.enable_prefix_caching,
+            max_loras=e.config.max_loras if e.lora else 0, max_lora_rank=e.config.max_lora_rank if e.lora else 0)
         log.info("reading the tokenizer of %s, for the routers", e.source.name)
-        tokenizer = load_tokenizer(e.source)
+        tokenizer = e.tokenizer
         if tokenizer is not None:
             e.grammars.use_tokenizer(tokenizer)     # now, not on the first structured output
             info.tokenizer_json = tokenizer.backend_tokenizer.to_str().encode()
@@ -75,6 +79,39 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
     async def Info(self, request, context) -> pb.InfoResponse:
         return self.info
+
+    async def LoadLoRAAdapter(self, request, context) -> pb.LoRAAdapter:
+        engine = self.engine
+        if engine.lora is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "this worker serves no LoRA adapters (start it with --enable-lora)")
+        if not request.lora_name or not request.lora_path:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "lora_name and lora_path are both required")
+        try:    # read beside the step loop; only registering it runs on the engine thread
+            weights = await asyncio.to_thread(read_lora_adapter, request.lora_name, request.lora_path,
+                                              engine.model_config, engine.config.max_lora_rank, engine.runner.dtype)
+            dropped = await self.loop.ask(lambda: engine.add_lora(weights))
+        except LoRAAdapterError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except InvalidRequest as e:       # the name is busy, or host memory is all in use
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        log.info("LoRA adapter %r loaded from %s (rank %d, %s)%s", weights.name, weights.path, weights.rank,
+                 ", ".join(weights.target_modules), f"; dropped {', '.join(dropped)}" if dropped else "")
+        return pb.LoRAAdapter(name=weights.name, path=weights.path, rank=weights.rank,
+                              target_modules=weights.target_modules)
+
+    async def UnloadLoRAAdapter(self, request, context) -> pb.UnloadLoRAAdapterResponse:
+        engine, name = self.engine, request.lora_name
+        adapter = engine.lora.get(name) if engine.lora is not None else None
+        if adapter is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"LoRA adapter {name!r} is not loaded")
+        await self.loop.ask(lambda: setattr(adapter, "unloading", True))   # new Submits naming it fail
+        while await self.loop.ask(lambda: engine.lora_in_use(name)):
+            await asyncio.sleep(0.05)
+        # Unless a load replaced it meanwhile (its own entry then, not this one).
+        await self.loop.ask(lambda: engine.lora.get(name) is adapter and engine.remove_lora(name))
+        log.info("LoRA adapter %r unloaded", name)
+        return pb.UnloadLoRAAdapterResponse()
 
     async def Session(self, request_iterator, context):
         session = Session(f"s{next(self._session_ids)}", asyncio.get_running_loop())
@@ -126,17 +163,26 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             session.outbox.put_nowait(pb.WorkerMessage(load=pb.LoadReport(
                 free_blocks=s.free_blocks, used_blocks=s.total_blocks - s.free_blocks,
                 total_blocks=s.total_blocks, num_running=s.num_running, num_waiting=s.num_waiting,
-                num_swapped=s.num_swapped, tokens_in_flight=s.tokens_in_flight,
-                free_swap_blocks=s.free_swap_blocks, draining=self.loop.draining,
-                prefix_cache_hit_rate=hit_rate, stalled=self.loop.stalled)))
+                num_swapped=s.num_swapped, free_swap_blocks=s.free_swap_blocks,
+                # From the sessions' live counts, not the step's snapshot: the total and this
+                # session's part must be of one moment for a router to tell the others' apart.
+                tokens_in_flight=sum(other.tokens_in_flight for other in self.sessions),
+                session_tokens_in_flight=session.tokens_in_flight, num_sessions=len(self.sessions),
+                draining=self.loop.draining, prefix_cache_hit_rate=hit_rate, stalled=self.loop.stalled,
+                lora_adapters=[pb.LoRAAdapter(name=name, path=path, rank=rank, target_modules=targets,
+                                              on_device=on_device, num_requests=users)
+                               for name, path, rank, targets, on_device, users in s.lora_adapters])))
             await asyncio.sleep(LOAD_REPORT_INTERVAL_S)
 
 
 async def serve_worker(config: EngineConfig, host: str, port: int, worker_id: str | None = None,
                        model_name: str | None = None, ready: Callable[[int], None] | None = None,
-                       metrics_port: int = 0) -> None:
+                       metrics_port: int = 0, tls: ServerTls | None = None,
+                       health_port: int = 0) -> None:
     """Loads the model, serves until SIGTERM/SIGINT, then drains and stops. `metrics_port`:
     where to serve Prometheus /metrics (0: nowhere); tracing follows the OTEL_* variables.
+    `tls`: serve over TLS (common.tls); `health_port`: also serve gRPC health, and nothing
+    else, in plaintext there (0: nowhere), for probes that cannot speak TLS (Kubernetes').
     After an engine fault it hands the requests back, stops, and raises
     SystemExit(faults.EXIT_CODE) for its supervisor to restart it."""
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -147,7 +193,10 @@ async def serve_worker(config: EngineConfig, host: str, port: int, worker_id: st
                             ("grpc.max_send_message_length", 64 * 2**20)])
     # The port is taken before the model loads, so a port in use fails in a second, not after
     # minutes of loading; clients are answered once the server starts.
-    bound = listen(server, host, port)
+    bound = listen(server, host, port, tls.credentials() if tls else None)
+    health_server = create_server([]) if health_port else None
+    if health_server is not None:
+        listen(health_server, host, health_port)
     log.info("loading the model %s", "(the embedded default)" if config.model == "default" else config.model)
     engine = LLMEngine(config)
     service = WorkerService(engine, worker_id or f"{socket.gethostname()}:{port}",
@@ -155,6 +204,8 @@ async def serve_worker(config: EngineConfig, host: str, port: int, worker_id: st
     worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    if health_server is not None:
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, health_server)
     service_name = pb.DESCRIPTOR.services_by_name["Worker"].full_name
     enable_reflection(server, (service_name, health.SERVICE_NAME),
                       pool_of((pb.DESCRIPTOR, health_pb2.DESCRIPTOR)))
@@ -168,6 +219,8 @@ async def serve_worker(config: EngineConfig, host: str, port: int, worker_id: st
     service.loop.on_fault = lambda: running_loop.call_soon_threadsafe(stop.set)
     service.loop.start()
     await server.start()
+    if health_server is not None:
+        await health_server.start()
     await set_health(health_pb2.HealthCheckResponse.SERVING)
     log.info("worker %s serving %s on %s:%d (%d KV blocks of %d tokens, max_model_len %d) after %.1fs",
              service.worker_id, service.info.model_name, host, bound, service.info.num_gpu_blocks,
@@ -202,6 +255,8 @@ async def serve_worker(config: EngineConfig, host: str, port: int, worker_id: st
     while time.monotonic() < deadline and service.sessions:
         await asyncio.sleep(0.05)
     await server.stop(grace=1)
+    if health_server is not None:
+        await health_server.stop(grace=1)
     service.loop.stop()
     engine.close(abandon=fault is not None)
     tracing.shutdown_tracing()
@@ -235,10 +290,12 @@ async def _watch_engine(loop: EngineLoop, set_health: Callable, timeout_s: float
 
 
 def run_worker(config: EngineConfig, host: str = "0.0.0.0", port: int = 50061, worker_id: str | None = None,
-               model_name: str | None = None, metrics_port: int = 0) -> None:
+               model_name: str | None = None, metrics_port: int = 0, tls: ServerTls | None = None,
+               health_port: int = 0) -> None:
     try:
         import uvloop
         uvloop.install()
     except ImportError:
         pass
-    asyncio.run(serve_worker(config, host, port, worker_id, model_name, metrics_port=metrics_port))
+    asyncio.run(serve_worker(config, host, port, worker_id, model_name, metrics_port=metrics_port,
+                             tls=tls, health_port=health_port))

@@ -22,12 +22,14 @@ HEADER = 8
 @dataclass
 class StepArrays:
     """One step's inputs as every rank needs them: `rows` are the hidden rows whose logits
-    are computed (None: no logits this step)."""
+    are computed (None: no logits this step), `score_rows` those whose logits are reduced to
+    prompt logprobs (None: none; see ModelRunner.forward_logits)."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
     metadata: AttentionMetadata
     rows: torch.Tensor | None
+    score_rows: torch.Tensor | None = None
 
 
 class StepChannel:
@@ -41,11 +43,13 @@ class StepChannel:
     def send_step(self, step: StepArrays) -> None:
         md = step.metadata
         rows = step.rows if step.rows is not None else step.input_ids[:0]
+        score_rows = step.score_rows if step.score_rows is not None else step.input_ids[:0]
         block_tables = md.block_tables.flatten()
         self._send([STEP, step.input_ids.numel(), md.seq_lens.numel(), md.block_tables.shape[1],
-                    -1 if step.rows is None else rows.numel(), md.max_query_len, md.max_seq_len],
+                    -1 if step.rows is None else rows.numel(), md.max_query_len, md.max_seq_len,
+                    -1 if step.score_rows is None else score_rows.numel()],
                    [step.input_ids, step.positions, md.slot_mapping, md.seq_lens, md.query_start_loc,
-                    block_tables, rows])
+                    block_tables, rows, score_rows])
 
     def send_copies(self, pairs: torch.Tensor) -> None:
         self._send([COPY, pairs.shape[0]], [pairs.flatten()])
@@ -82,7 +86,7 @@ class StepChannel:
         op = header[0]
         if op == STEP:
             n_tokens, n_seqs, max_blocks, n_rows = header[1:5]
-            return 3 * n_tokens + 2 * n_seqs + 1 + n_seqs * max_blocks + max(n_rows, 0)
+            return 3 * n_tokens + 2 * n_seqs + 1 + n_seqs * max_blocks + max(n_rows, 0) + max(header[7], 0)
         if op == COPY:
             return 2 * header[1]
         if op == SWAP:
@@ -91,13 +95,15 @@ class StepChannel:
 
     @staticmethod
     def unpack_step(header: list[int], payload: torch.Tensor) -> StepArrays:
-        n_tokens, n_seqs, max_blocks, n_rows, max_query_len, max_seq_len = header[1:7]
-        sizes = [n_tokens, n_tokens, n_tokens, n_seqs, n_seqs + 1, n_seqs * max_blocks, max(n_rows, 0)]
-        ids, positions, slots, seq_lens, starts, tables, rows = payload.split(sizes)
+        n_tokens, n_seqs, max_blocks, n_rows, max_query_len, max_seq_len, n_score_rows = header[1:8]
+        sizes = [n_tokens, n_tokens, n_tokens, n_seqs, n_seqs + 1, n_seqs * max_blocks, max(n_rows, 0),
+                 max(n_score_rows, 0)]
+        ids, positions, slots, seq_lens, starts, tables, rows, score_rows = payload.split(sizes)
         metadata = AttentionMetadata(
             slot_mapping=slots, block_tables=tables.view(n_seqs, max_blocks).int(), seq_lens=seq_lens.int(),
             query_start_loc=starts.int(), max_query_len=max_query_len, max_seq_len=max_seq_len)
-        return StepArrays(ids, positions, metadata, rows if n_rows >= 0 else None)
+        return StepArrays(ids, positions, metadata, rows if n_rows >= 0 else None,
+                          score_rows if n_score_rows >= 0 else None)
 
     @staticmethod
     def unpack_swaps(payload: torch.Tensor) -> list[tuple[str, int, int]]:

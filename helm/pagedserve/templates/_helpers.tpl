@@ -40,7 +40,44 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- end -}}
 
 {{- define "pagedserve.workersTarget" -}}
+{{- if eq .Values.router.discoveryMode "kubernetes" -}}
+{{- printf "k8s:%s.%s:%v" (include "pagedserve.workersService" .) .Release.Namespace .Values.worker.port -}}
+{{- else -}}
 {{- printf "dns:%s.%s.svc.%s:%v" (include "pagedserve.workersService" .) .Release.Namespace .Values.clusterDomain .Values.worker.port -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The routers' service account: the one given, else with discoveryMode kubernetes the
+     chart's (which the Role is bound to), else none (the namespace's default). */}}
+{{- define "pagedserve.routerServiceAccount" -}}
+{{- if .Values.router.serviceAccountName -}}
+{{- .Values.router.serviceAccountName -}}
+{{- else if eq .Values.router.discoveryMode "kubernetes" -}}
+{{- printf "%s-router" (include "pagedserve.fullname" .) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* TLS between routers and workers: where tls.secretName is mounted in both, and the name
+     the workers' certificate must carry. */}}
+{{- define "pagedserve.tlsDir" -}}
+/etc/pagedserve/tls
+{{- end -}}
+
+{{- define "pagedserve.tlsServerName" -}}
+{{- default (printf "%s.%s.svc" (include "pagedserve.workersService" .) .Release.Namespace) .Values.tls.serverName -}}
+{{- end -}}
+
+{{- define "pagedserve.tlsVolume" -}}
+- name: tls
+  secret:
+    secretName: {{ .Values.tls.secretName }}
+    defaultMode: 0440        # read by the owner and the pod's fsGroup, the images' group
+{{- end -}}
+
+{{- define "pagedserve.tlsVolumeMount" -}}
+- name: tls
+  mountPath: {{ include "pagedserve.tlsDir" . }}
+  readOnly: true
 {{- end -}}
 
 {{/* The Secret holding the API key, when there is one. */}}
