@@ -287,7 +287,9 @@ class _Observed:
         self._model = model
         self.span = tracing.start_span(
             f"{self._operation} {model}".strip(), parent=parent, kind=SpanKind.SERVER,
+            # What a refused request's span can say too: who served it and which request it was.
             attributes={"gen_ai.operation.name": self._operation, "gen_ai.request.model": model,
+                        "gen_ai.provider.name": "pagedserve", "pagedserve.request_id": self.request_id,
                         **transport},
             start_time_ns=tracing.span_time_ns(self.started))
 
@@ -340,6 +342,9 @@ class _Observed:
         if reason != "rejected" and self._counters.metrics is not None:
             self._counters.metrics.finished(reason, now - self.started, ttft_s, self.output_tokens)
         if self.span is not None:
+            if error is not None:   # its status code ("failed: " leads errors of admitted requests)
+                kind = error.removeprefix("failed: ").split(":", 1)[0]
+                self.span.set_attribute("error.type", kind if kind.isupper() else "INTERNAL")
             tracing.end_request_span(self.span, output_tokens=self.output_tokens,
                                      finish_reason=reason, ttft_s=ttft_s, error=error,
                                      end_time_ns=tracing.span_time_ns(now))

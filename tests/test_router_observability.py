@@ -169,6 +169,19 @@ def test_a_request_is_one_trace_across_client_router_and_worker(traced_router, r
     assert (a["rpc.system"], a["rpc.service"], a["rpc.method"]) == ("grpc", "pagedserve.v1.Generation", "Generate")
 
 
+def test_a_refused_requests_span_names_the_request_the_provider_and_the_error(traced_router, receiver):
+    client_trace, _, traceparent = client_context()
+    request = pb.GenerateRequest(request_id="refused-1", token_ids=pb.TokenIds(ids=[1, 2]),
+                                 params=pb.SamplingParameters(temperature=-1.0))
+    with grpc.insecure_channel(traced_router.address) as channel, pytest.raises(grpc.RpcError) as error:
+        list(generation_pb2_grpc.GenerationStub(channel).Generate(
+            request, metadata=[("traceparent", traceparent)], timeout=TIMEOUT_S))
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    a = span_of(receiver, client_trace, "pagedserve-router", "text_completion").attributes
+    assert (a["pagedserve.request_id"], a["gen_ai.provider.name"], a["error.type"]) == \
+        ("refused-1", "pagedserve", "INVALID_ARGUMENT")
+
+
 def test_an_http_chat_request_continues_the_callers_trace(traced_router, receiver):
     client_trace, client_span, traceparent = client_context()
     body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "ignore_eos": True}
