@@ -10,6 +10,7 @@ from common.sampling_params import SamplingParams, StructuredOutput
 PREEMPTION_MODES = {"swap": worker_pb2.PREEMPTION_MODE_SWAP,
                     "recompute": worker_pb2.PREEMPTION_MODE_RECOMPUTE}
 PREEMPTION_MODE_NAMES = {mode: name for name, mode in PREEMPTION_MODES.items()}
+DEFAULT_MAX_TOKENS = SamplingParams.max_tokens  # a SamplingParameters without max_tokens
 
 
 def _f32(x: float) -> float:
@@ -30,7 +31,7 @@ def sampling_params_from_proto(p) -> SamplingParams:
         frequency_penalty=_f32(p.frequency_penalty),
         repetition_penalty=_f32(p.repetition_penalty) if p.HasField("repetition_penalty") else 1.0,
         seed=p.seed if p.HasField("seed") else None,
-        max_tokens=p.max_tokens if p.HasField("max_tokens") else 16,
+        max_tokens=p.max_tokens if p.HasField("max_tokens") else DEFAULT_MAX_TOKENS,
         min_tokens=p.min_tokens,
         stop_token_ids=list(p.stop_token_ids),
         ignore_eos=p.ignore_eos,

@@ -234,7 +234,7 @@ def test_a_submit_after_a_fault_is_handed_back_at_once_and_never_reaches_the_eng
 
     from common.metrics import WorkerMetrics
     from common.pb import worker_pb2
-    from worker.engine_loop import EngineLoop, Session
+    from worker.engine_loop import EngineLoop, Session, submit_tokens
 
     engine = make_engine(num_blocks=64)
     loop = EngineLoop(engine, WorkerMetrics("m", CollectorRegistry(), lambda: None, 16), "m")
@@ -243,7 +243,8 @@ def test_a_submit_after_a_fault_is_handed_back_at_once_and_never_reaches_the_eng
 
     async def scenario() -> worker_pb2.Event:
         session = Session("s1", asyncio.get_running_loop())
-        loop.submit(session, submit("late", [1, 2, 3], max_tokens=4).submit, time.monotonic())
+        msg = submit("late", [1, 2, 3], max_tokens=4).submit
+        loop.submit(session, msg, time.monotonic(), submit_tokens(msg, engine.max_model_len))
         await asyncio.sleep(0)      # Session.send queues through call_soon_threadsafe
         return session.outbox.get_nowait().event
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from opentelemetry.trace import Span, SpanKind
 
 from common import tracing
-from common.convert import PREEMPTION_MODES, sampling_params_from_proto
+from common.convert import DEFAULT_MAX_TOKENS, PREEMPTION_MODES, sampling_params_from_proto
 from common.metrics import WorkerMetrics
 from common.pb import worker_pb2 as pb
 from common.sampling_params import InvalidRequest
@@ -41,6 +41,12 @@ EVENT_KINDS = {"admitted": pb.EVENT_KIND_ADMITTED, "preempted": pb.EVENT_KIND_PR
                "resumed": pb.EVENT_KIND_RESUMED}
 
 
+def submit_tokens(msg: pb.Submit, max_model_len: int) -> int:
+    """What a Submit will hold once taken (the sequence's max_len), from the message alone."""
+    max_tokens = msg.params.max_tokens if msg.params.HasField("max_tokens") else DEFAULT_MAX_TOKENS
+    return min(len(msg.prompt_token_ids) + max_tokens, max_model_len)
+
+
 @dataclass(eq=False)
 class Session:
     """One router's stream: its requests (engine keys) and its outbox."""
@@ -52,6 +58,18 @@ class Session:
     # prompt + max_tokens over its requests: its part of LoadReport.tokens_in_flight. Written on
     # the engine thread, read by the load reporter (an int: always whole under the GIL).
     tokens_in_flight: int = 0
+    # The same estimate for Submits read but not yet taken by the engine thread, which reads
+    # commands only between steps: without it a report taken meanwhile would show the other
+    # replicas room this session has already claimed. `submitted_tokens` is written by the
+    # reader, `taken_tokens` (after tokens_in_flight) by the engine thread; see reported_tokens.
+    submitted_tokens: int = 0
+    taken_tokens: int = 0
+
+    def reported_tokens(self) -> int:
+        """Its tokens in flight, Submits not yet taken included. `taken_tokens` is read first:
+        a Submit taken meanwhile is then counted twice (for one report), never missed."""
+        taken = self.taken_tokens
+        return self.tokens_in_flight + self.submitted_tokens - taken
 
     def key(self, request_id: str) -> str:
         return f"{self.session_id}/{request_id}"
@@ -302,8 +320,15 @@ class EngineLoop:
 
     # ------------------------------------------------------------ commands (engine thread)
 
-    def submit(self, session: Session, msg: pb.Submit, received: float) -> None:
-        """`received`: time.monotonic() when the Submit was read, where its latencies start."""
+    def submit(self, session: Session, msg: pb.Submit, received: float, estimate: int) -> None:
+        """`received`: time.monotonic() when the Submit was read, where its latencies start;
+        `estimate`: what the reader added to session.submitted_tokens for it."""
+        try:
+            self._submit(session, msg, received)
+        finally:
+            session.taken_tokens += estimate
+
+    def _submit(self, session: Session, msg: pb.Submit, received: float) -> None:
         key = session.key(msg.request_id)
         record = RequestRecord(received, len(msg.prompt_token_ids), self._start_span(msg, received),
                                lora_name=msg.lora_name)

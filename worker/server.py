@@ -31,7 +31,7 @@ from common.tls import ServerTls
 from worker import faults
 from worker.config import EngineConfig
 from worker.engine import LLMEngine
-from worker.engine_loop import EngineLoop, Session
+from worker.engine_loop import EngineLoop, Session, submit_tokens
 from worker.models.lora_checkpoint import LoRAAdapterError, read_lora_adapter
 from worker.scheduler import SWAP
 
@@ -136,13 +136,16 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                     session.router_id = msg.hello.router_id
                     log.info("session %s opened by router %s", session.session_id, session.router_id)
                 elif kind == "submit":
-                    loop.call(lambda m=msg.submit, t=time.monotonic(): loop.submit(session, m, t))
+                    estimate = submit_tokens(msg.submit, self.engine.max_model_len)
+                    session.submitted_tokens += estimate
+                    loop.call(lambda m=msg.submit, t=time.monotonic(), e=estimate:
+                              loop.submit(session, m, t, e))
                 elif kind == "abort":
                     loop.call(lambda ids=list(msg.abort.request_ids), stop=msg.abort.stop_string:
                               loop.abort(session, ids, stop))
                 elif kind == "preempt":
                     mode = PREEMPTION_MODE_NAMES.get(msg.preempt.mode)
-                    loop.call(lambda r=msg.preempt.request_id: loop.preempt(session, r, mode))
+                    loop.call(lambda r=msg.preempt.request_id, m=mode: loop.preempt(session, r, m))
                 elif kind == "swap_out":
                     for r in msg.swap_out.request_ids:
                         loop.call(lambda r=r: loop.preempt(session, r, SWAP, hold=True))
@@ -166,8 +169,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 num_swapped=s.num_swapped, free_swap_blocks=s.free_swap_blocks,
                 # From the sessions' live counts, not the step's snapshot: the total and this
                 # session's part must be of one moment for a router to tell the others' apart.
-                tokens_in_flight=sum(other.tokens_in_flight for other in self.sessions),
-                session_tokens_in_flight=session.tokens_in_flight, num_sessions=len(self.sessions),
+                tokens_in_flight=sum(other.reported_tokens() for other in self.sessions),
+                session_tokens_in_flight=session.reported_tokens(), num_sessions=len(self.sessions),
                 draining=self.loop.draining, prefix_cache_hit_rate=hit_rate, stalled=self.loop.stalled,
                 lora_adapters=[pb.LoRAAdapter(name=name, path=path, rank=rank, target_modules=targets,
                                               on_device=on_device, num_requests=users)
