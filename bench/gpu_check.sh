@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
 # The GPU checks every change to the worker, kernels or model code runs before it is called done
-# (docs/GPU-TESTS.md), in two device calls of under 10 minutes each:
+# (docs/GPU-TESTS.md), in device calls of under 10 minutes each:
 #
 #   bash bench/gpu_check.sh stress      # pytest -m gpu: the stress, serving and engine suites
+#   bash bench/gpu_check.sh kernels     # pytest -m gpu: kernels, quantization, FP8 KV cache, LoRA
 #   bash bench/gpu_check.sh memcheck    # compute-sanitizer memcheck over a serving scenario, then W1/W2
 #
 # Carry `common/generated` and `.whl` (see bench/h200.sh for the wheels). Results go to $OUT.
 set -u
 source "$(dirname "$0")/device_env.sh"
-case "${1:-stress}" in
-stress)
-    timeout 560 python3 bench/gpu_stress.py ${GPU_FILES:-} --out "$OUT/gpu_stress.json" 2>&1 \
-        | tee "$OUT/gpu_stress.log" | grep -E "passed|failed|error|FAIL|Error" | tail -80
+mode="${1:-stress}"
+case "$mode" in
+stress|kernels)
+    group=$([ "$mode" = kernels ] && echo kernels || echo engine)
+    timeout 560 python3 bench/gpu_stress.py ${GPU_FILES:-} --group "$group" --out "$OUT/gpu_$mode.json" 2>&1 \
+        | tee "$OUT/gpu_$mode.log" | grep -E "passed|failed|error|FAIL|Error" | tail -80
     ;;
 memcheck)
     timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 20 \

@@ -1,11 +1,13 @@
 """Runs the GPU stress tests in one command, then summarises them.
 
-    python bench/gpu_stress.py                      # the default files, summary in $OUT/gpu_stress.json
+    python bench/gpu_stress.py                      # the engine group, summary in $OUT/gpu_stress.json
+    python bench/gpu_stress.py --group kernels      # the kernel group (another device call)
     python bench/gpu_stress.py tests/test_gpu_stress.py --out stress.json -- -k storm -x
 
-Runs `pytest -m gpu` over the given test files (default: tests/test_gpu_stress.py,
-tests/test_gpu_engine.py, tests/test_gpu_serving.py and the LoRA files' GPU tests) from the repository
-root, with `--junitxml`; prints a table of every test (outcome, seconds, the first line of a
+Runs `pytest -m gpu` over the given test files, or a group of them (GROUPS: `engine`, the
+stress, engine and serving suites; `kernels`, the GPU tests of the kernel, quantization, KV-cache
+and LoRA files; each fits one 10-minute device call), from the repository root, with
+`--junitxml`; prints a table of every test (outcome, seconds, the first line of a
 failure) and writes a JSON summary to `--out` (default: $OUT/gpu_stress.json when $OUT is
 set, else nothing). Arguments after `--` go to pytest. The exit code is pytest's.
 """
@@ -21,8 +23,9 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_FILES = ["tests/test_gpu_stress.py", "tests/test_gpu_engine.py", "tests/test_gpu_serving.py",
-                 "tests/test_lora.py", "tests/test_lora_kernels.py"]
+GROUPS = {"engine": ["tests/test_gpu_stress.py", "tests/test_gpu_engine.py", "tests/test_gpu_serving.py"],
+          "kernels": ["tests/test_kernels.py", "tests/test_fp8.py", "tests/test_w4a16.py",
+                      "tests/test_kv_cache_dtype.py", "tests/test_lora.py", "tests/test_lora_kernels.py"]}
 
 
 def read_junit(path: Path) -> list[dict]:
@@ -58,14 +61,16 @@ def main() -> int:
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[:argv.index("--")] if "--" in argv else argv
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("files", nargs="*", help="test files (default: %(default)s)")
+    parser.add_argument("files", nargs="*", help="test files (default: the --group's)")
+    parser.add_argument("--group", choices=sorted(GROUPS), default="engine", help="files to run when none are given")
     parser.add_argument("--out", default=None, help="JSON summary path (default: $OUT/gpu_stress.json)")
     parser.add_argument("--junitxml", default=None, help="where pytest writes its junit XML "
                         "(default: next to --out, else a temporary file)")
     args = parser.parse_args(argv)
 
-    files = args.files or [f for f in DEFAULT_FILES if (ROOT / f).exists()]
-    out = args.out or (os.path.join(os.environ["OUT"], "gpu_stress.json") if os.environ.get("OUT") else None)
+    files = args.files or [f for f in GROUPS[args.group] if (ROOT / f).exists()]
+    name = "gpu_stress" if args.files or args.group == "engine" else f"gpu_stress_{args.group}"
+    out = args.out or (os.path.join(os.environ["OUT"], f"{name}.json") if os.environ.get("OUT") else None)
     if args.junitxml:
         junit = Path(args.junitxml)
     elif out:

@@ -22,6 +22,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Protocol
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
@@ -126,7 +127,7 @@ class WorkerMetrics:
     the scrape thread and must return the latest snapshot without touching the engine."""
 
     def __init__(self, model_name: str, registry: CollectorRegistry, state: Callable[[], EngineState],
-                 block_size: int, max_loras: int = 0):
+                 block_size: int, max_loras: int = 0, config: ModelSetup | None = None):
         self.requests = _RequestMetrics(WORKER, "worker", model_name, registry, WORKER_FINISH_REASONS)
         self.model_name = model_name
         self.lora_requests = Counter(f"{WORKER}_lora_requests", "Requests that left the worker, by LoRA "
@@ -143,7 +144,8 @@ class WorkerMetrics:
         self.step_tokens = histogram("step_batch_tokens", "Tokens computed in one engine step "
                                      "(prompt chunks + decodes).", BATCH_TOKEN_BUCKETS)
         self.step_seqs = histogram("step_batch_sequences", "Sequences in one engine step.", BATCH_SEQ_BUCKETS)
-        registry.register(_EngineCollector(model_name, state, block_size, max_loras))
+        self.setup = config or ModelSetup()
+        registry.register(_EngineCollector(model_name, state, block_size, max_loras, self.setup))
 
     def step(self, duration_s: float, num_tokens: int, num_seqs: int, num_generated: int) -> None:
         """One engine step that computed `num_tokens` tokens of `num_seqs` sequences (none:
@@ -174,14 +176,24 @@ class WorkerMetrics:
         self.lora_tokens.labels(self.model_name, lora_name).inc(output_tokens)
 
 
+@dataclass(frozen=True)
+class ModelSetup:
+    """How a worker holds its model, as the config info series label it (InfoResponse's names)."""
+    dtype: str = ""
+    quantization: str = "none"
+    kv_cache_dtype: str = ""
+
+
 class _EngineCollector(Collector):
     """Builds the worker's state series from the engine's latest stats at scrape time."""
 
-    def __init__(self, model_name: str, state: Callable[[], EngineState], block_size: int, max_loras: int):
+    def __init__(self, model_name: str, state: Callable[[], EngineState], block_size: int, max_loras: int,
+                 setup: ModelSetup):
         self.model_name = model_name
         self.state = state
         self.block_size = block_size
         self.max_loras = max_loras
+        self.setup = setup
         self.started = time.time()
 
     def collect(self) -> Iterator[Metric]:
@@ -230,9 +242,14 @@ class _EngineCollector(Collector):
         yield gauge("vllm:kv_cache_usage_perc", "Alias of pagedserve_worker_kv_cache_usage_ratio (0 to 1).",
                     kv_usage)
         cache = GaugeMetricFamily("vllm:cache_config_info", "KV-cache layout (the value is always 1).",
-                                  labels=["model_name", "block_size", "num_gpu_blocks"])
-        cache.add_metric([m, str(self.block_size), str(s.total_blocks)], 1)
+                                  labels=["model_name", "block_size", "num_gpu_blocks", "cache_dtype"])
+        cache.add_metric([m, str(self.block_size), str(s.total_blocks), self.setup.kv_cache_dtype], 1)
         yield cache
+        setup = GaugeMetricFamily(f"{WORKER}_model_config_info", "How the model is held: its dtype, the "
+                                  "decoder linears' quantization, the KV cache's dtype (the value is always 1).",
+                                  labels=["model_name", "dtype", "quantization", "kv_cache_dtype"])
+        setup.add_metric([m, self.setup.dtype, self.setup.quantization, self.setup.kv_cache_dtype], 1)
+        yield setup
         yield from self._lora(s)
 
     def _lora(self, s: EngineState) -> Iterator[Metric]:

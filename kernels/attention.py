@@ -6,12 +6,16 @@ Its keys and values live in the paged pool `k_cache/v_cache[num_blocks, block_si
 num_kv_heads, head_dim]`, addressed through `block_tables[s]`; `seq_lens[s]` counts every
 token of the sequence including this step's queries (already written to the pool), so the
 queries sit at positions `seq_lens[s] - q_len(s) ... seq_lens[s] - 1` and attend causally.
+A float8 pool (kernels.cache) comes with `k_scale`/`v_scale[num_kv_heads]`: its K and V are the
+stored values times their head's scale.
 """
 
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from .cache import FP8_KV_DTYPE, gather_slots
 
 
 @dataclass
@@ -54,6 +58,8 @@ def paged_attention_ref(
     max_seq_len: int,
     scale: float,
     plan: GatherPlan | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Gathers each sequence's context into a padded batch and runs masked SDPA."""
     num_tokens, num_heads, head_dim = q.shape
@@ -64,8 +70,12 @@ def paged_attention_ref(
     # Half-precision SDPA on the CPU takes its slow path: compute in float32 there.
     dtype = torch.float32 if q.device.type == "cpu" else q.dtype
     q_pad = q[plan.q_index].transpose(1, 2).to(dtype)                             # [S, H, Q, D]
-    k = k_cache.view(-1, num_kv_heads, head_dim)[plan.slots].transpose(1, 2).to(dtype)  # [S, KVH, L, D]
-    v = v_cache.view(-1, num_kv_heads, head_dim)[plan.slots].transpose(1, 2).to(dtype)
+    k = gather_slots(k_cache, plan.slots).transpose(1, 2).to(dtype)               # [S, KVH, L, D]
+    v = gather_slots(v_cache, plan.slots).transpose(1, 2).to(dtype)
+    if k_scale is not None:
+        k = k * k_scale.to(dtype)[None, :, None, None]
+    if v_scale is not None:
+        v = v * v_scale.to(dtype)[None, :, None, None]
     out = F.scaled_dot_product_attention(q_pad, k, v, attn_mask=plan.mask, scale=scale,
                                          enable_gqa=num_heads != num_kv_heads)   # [S, H, Q, D]
     return out.transpose(1, 2)[plan.q_valid].to(q.dtype)                         # [T, H, D]
@@ -73,11 +83,18 @@ def paged_attention_ref(
 
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                     max_query_len: int, max_seq_len: int, scale: float,
-                    plan: GatherPlan | None = None) -> torch.Tensor:
-    """`plan` (CPU only) skips rebuilding the gather indices in every layer."""
+                    plan: GatherPlan | None = None, k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """`plan` (CPU only) skips rebuilding the gather indices in every layer; `k_scale`/`v_scale`
+    are read only with a float8 pool, which needs them."""
+    if k_cache.dtype != FP8_KV_DTYPE:
+        k_scale = v_scale = None
+    elif k_scale is None or v_scale is None:
+        raise ValueError("a float8 KV pool needs k_scale and v_scale")
     if q.is_cuda:
         from .triton_attention import paged_attention_triton
         return paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens,
-                                      query_start_loc, max_query_len, max_seq_len, scale)
+                                      query_start_loc, max_query_len, max_seq_len, scale,
+                                      k_scale=k_scale, v_scale=v_scale)
     return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                               max_query_len, max_seq_len, scale, plan)
+                               max_query_len, max_seq_len, scale, plan, k_scale, v_scale)

@@ -1,33 +1,70 @@
 """KV-pool data movement: write by slot mapping, block copy, swap between pools.
 
 A slot is `block_id * block_size + offset`; a negative slot is padding and writes nowhere.
+
+A pool in float8 e4m3 (`--kv-cache-dtype fp8`) stores `x / scale`, saturated at ±448, with a
+float32 scale per KV head (`k_scale`, `v_scale`: `[num_kv_heads]`, one value repeated when the
+checkpoint gives one per layer); attention multiplies it back. A 16- or 32-bit pool stores K/V
+as they are and takes no scales.
 """
 
 import torch
 
+FP8_KV_DTYPE = torch.float8_e4m3fn
+FP8_KV_MAX = torch.finfo(FP8_KV_DTYPE).max
+
+
+def is_fp8(cache: torch.Tensor) -> bool:
+    return cache.dtype == FP8_KV_DTYPE
+
+
+def stored_kv(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None) -> torch.Tensor:
+    """`x[tokens, num_kv_heads, head_dim]` as a pool of `dtype` holds it."""
+    if dtype != FP8_KV_DTYPE:
+        return x.to(dtype)
+    return (x.float() / scale[:, None]).clamp(-FP8_KV_MAX, FP8_KV_MAX).to(dtype)
+
 
 def write_kv_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                 v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
     """Stores `key/value[num_tokens, num_kv_heads, head_dim]` at their slots in the pool."""
     num_kv_heads, head_dim = k_cache.shape[2:]
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].long()
-    k_cache.view(-1, num_kv_heads, head_dim)[slots] = key[valid].to(k_cache.dtype)
-    v_cache.view(-1, num_kv_heads, head_dim)[slots] = value[valid].to(v_cache.dtype)
+    for cache, x, scale in ((k_cache, key, k_scale), (v_cache, value, v_scale)):
+        rows = _as_bytes(stored_kv(x[valid], cache.dtype, scale))
+        _as_bytes(cache).view(-1, num_kv_heads, head_dim)[slots] = rows
 
 
-def write_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
+def gather_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """`cache[num_blocks, block_size, num_kv_heads, head_dim]`'s rows at `slots[...]`:
+    `[..., num_kv_heads, head_dim]`, in the pool's dtype."""
+    num_kv_heads, head_dim = cache.shape[2:]
+    return _as_bytes(cache).view(-1, num_kv_heads, head_dim)[slots].view(cache.dtype)
+
+
+def write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
+    """`k_scale`/`v_scale`: required by a float8 pool, ignored by others."""
+    if is_fp8(k_cache) and (k_scale is None or v_scale is None):
+        raise ValueError("a float8 KV pool needs k_scale and v_scale")
     if k_cache.is_cuda:
         from .triton_cache import write_kv_triton
-        write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+        write_kv_triton(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
         return
-    write_kv_ref(key, value, k_cache, v_cache, slot_mapping)
+    write_kv_ref(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+
+def _as_bytes(cache: torch.Tensor) -> torch.Tensor:
+    """A float8 pool as bytes, for moves: indexing float8 tensors is not supported everywhere."""
+    return cache.view(torch.uint8) if is_fp8(cache) else cache
 
 
 def copy_blocks_ref(caches: list[torch.Tensor], src_to_dst: torch.Tensor) -> None:
     """Copies whole blocks inside each pool tensor: `src_to_dst[n] = (src, dst)`."""
     src, dst = src_to_dst[:, 0].long(), src_to_dst[:, 1].long()
     for cache in caches:
+        cache = _as_bytes(cache)
         cache[dst] = cache[src]
 
 
@@ -44,6 +81,7 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, src_to_dst: torch.Tensor) 
 
     Index on the source's device, copy the gathered blocks across in one transfer.
     """
+    src, dst = _as_bytes(src), _as_bytes(dst)
     src_ids = src_to_dst[:, 0].long().to(src.device)
     dst_ids = src_to_dst[:, 1].long().to(dst.device)
     # Asynchronous only towards the device: a host destination is read right after the copy.

@@ -100,16 +100,18 @@ def _attend(acc, m_i, l_i, q, q_pos, k_cache, v_cache, block_table, kv_head, lo,
 
 
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])
-def _decode_kernel(out, part_out, part_lse, q, k_cache, v_cache, block_tables, seq_lens,
-                   query_start_loc, qk_scale, num_splits,
+def _decode_kernel(out, part_out, part_lse, q, k_cache, v_cache, k_scale, v_scale, block_tables,
+                   seq_lens, query_start_loc, qk_scale, num_splits,
                    stride_qt, stride_qh, stride_ot, stride_oh,
                    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
                    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                   SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                   SPLIT: tl.constexpr, SCALED: tl.constexpr, DOT_PRECISION: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    if SCALED:      # a float8 pool's K scale folds into the score scale (its V scale: below)
+        qk_scale = qk_scale * tl.load(k_scale + kv_head)
     q_start = tl.load(query_start_loc + seq)
     q_len = tl.load(query_start_loc + seq + 1) - q_start
     if q_len != 1:
@@ -140,7 +142,10 @@ def _decode_kernel(out, part_out, part_lse, q, k_cache, v_cache, block_tables, s
     # An empty split (short sequence) leaves l_i = 0, m_i = -inf: it reports lse = -inf and
     # weighs nothing in the reduction.
     l_i = tl.where(l_i > 0, l_i, 1.0)
-    acc = acc / l_i[:, None]
+    if SCALED:
+        acc = acc * (tl.load(v_scale + kv_head) / l_i)[:, None]
+    else:
+        acc = acc / l_i[:, None]
     if not SPLIT:
         tl.store(out + q_start * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
                  acc.to(out.dtype.element_ty), mask=row_ok[:, None])
@@ -199,13 +204,13 @@ def _find_sequence(query_start_loc, tile, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
-def _prefill_kernel(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                    qk_scale, num_seqs,
+def _prefill_kernel(out, q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens,
+                    query_start_loc, qk_scale, num_seqs,
                     stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
                     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
                     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr):
+                    SCALED: tl.constexpr, DOT_PRECISION: tl.constexpr):
     # Tiles run last-first: late tiles of a sequence attend to the most keys, and starting
     # the longest work first shortens the tail of the launch.
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -218,6 +223,8 @@ def _prefill_kernel(out, q, k_cache, v_cache, block_tables, seq_lens, query_star
         return
     seq_len = tl.load(seq_lens + seq)
     ctx_len = seq_len - q_len
+    if SCALED:      # as in _decode_kernel
+        qk_scale = qk_scale * tl.load(k_scale + kv_head)
 
     # Row r of the tile is query token r // GROUP_PAD with head r % GROUP_PAD of the group.
     rows = tl.arange(0, BLOCK_Q * GROUP_PAD)
@@ -247,9 +254,12 @@ def _prefill_kernel(out, q, k_cache, v_cache, block_tables, seq_lens, query_star
                             stride_kh, stride_vb, stride_vt, stride_vh, BLOCK_SIZE, BLOCK_N,
                             HEAD_DIM, True, DOT_PRECISION)
 
+    if SCALED:
+        acc = acc * (tl.load(v_scale + kv_head) / l_i)[:, None]
+    else:
+        acc = acc / l_i[:, None]
     o_offs = (q_start + tok).to(tl.int64)[:, None] * stride_ot + heads[:, None] * stride_oh
-    tl.store(out + o_offs + offs_d[None, :], (acc / l_i[:, None]).to(out.dtype.element_ty),
-             mask=row_ok[:, None])
+    tl.store(out + o_offs + offs_d[None, :], acc.to(out.dtype.element_ty), mask=row_ok[:, None])
 
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int,
@@ -264,7 +274,9 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, seq_lens: torch.Tensor,
                            query_start_loc: torch.Tensor, max_query_len: int,
                            max_seq_len: int, scale: float,
-                           config: AttentionConfig | None = None) -> torch.Tensor:
+                           config: AttentionConfig | None = None,
+                           k_scale: torch.Tensor | None = None,
+                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Same arguments and result as `paged_attention_ref`, returned as `[num_tokens, ...]`.
 
     Rows of tokens past `query_start_loc[-1]` (batch padding) are left unwritten.
@@ -286,6 +298,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if num_tokens == 0 or num_seqs == 0:
         return out
     pool_strides = (*k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0))
+    scaled = k_scale is not None
+    scales = (k_scale, v_scale) if scaled else (seq_lens, seq_lens)   # unread unless SCALED
 
     num_splits = cfg.num_splits or decode_num_splits(num_seqs, num_kv_heads, max_seq_len,
                                                      q.device)
@@ -296,11 +310,11 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32,
                                device=q.device)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        out, part_out, part_lse, q, k_cache, v_cache, block_tables, seq_lens,
+        out, part_out, part_lse, q, k_cache, v_cache, *scales, block_tables, seq_lens,
         query_start_loc, qk_scale, num_splits, q.stride(0), q.stride(1), out.stride(0),
         out.stride(1), *pool_strides,
         NUM_HEADS=num_heads, GROUP=group, BLOCK_G=max(16, group_pad), HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, BLOCK_N=cfg.decode_block_n, SPLIT=num_splits > 1,
+        BLOCK_SIZE=block_size, BLOCK_N=cfg.decode_block_n, SPLIT=num_splits > 1, SCALED=scaled,
         DOT_PRECISION=dot_precision, num_warps=cfg.decode_num_warps,
         num_stages=cfg.decode_num_stages)
     if num_splits > 1:
@@ -316,10 +330,10 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         block_m = max(block_m, group_pad)
         block_q = block_m // group_pad
         _prefill_kernel[(num_tokens // block_q + num_seqs, num_kv_heads)](
-            out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, qk_scale,
+            out, q, k_cache, v_cache, *scales, block_tables, seq_lens, query_start_loc, qk_scale,
             num_seqs, q.stride(0), q.stride(1), out.stride(0), out.stride(1), *pool_strides,
             GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_DIM=head_dim,
             BLOCK_SIZE=block_size, BLOCK_N=cfg.prefill_block_n or (32 if wide else 64),
-            DOT_PRECISION=dot_precision, num_warps=cfg.prefill_num_warps,
+            SCALED=scaled, DOT_PRECISION=dot_precision, num_warps=cfg.prefill_num_warps,
             num_stages=cfg.prefill_num_stages or (2 if wide else 3))
     return out

@@ -46,6 +46,31 @@ def generate(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams
     return results
 
 
+def generate_with_a_swap(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams,
+                         before: int = 3, held: int = 4) -> tuple[dict[str, list[int]], int]:
+    """Runs prompts r0, r1, ... and swaps r0 out after `before` steps, holding it out for `held`
+    steps before swapping it back in: the tokens of each, and r0's count while it was held."""
+    got: dict[str, list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params)
+        got[f"r{i}"] = []
+
+    def step() -> None:
+        for o in engine.step():
+            got[o.request_id] += o.new_token_ids
+    for _ in range(before):
+        step()
+    assert engine.preempt("r0", "swap", hold=True) == ["swap"]
+    for _ in range(held):
+        step()
+    assert engine.stats().num_swapped == 1
+    tokens_while_held = len(got["r0"])
+    engine.swap_in("r0")
+    while engine.has_unfinished():
+        step()
+    return got, tokens_while_held
+
+
 def greedy(max_tokens: int = 24, **kw) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
 

@@ -1,7 +1,7 @@
 """Engine behaviour on the real SmolLM2: block accounting, aborts, sampling, limits."""
 
 import pytest
-from helpers import LONG_STORY, PROMPTS, generate, greedy
+from helpers import LONG_STORY, PROMPTS, generate, generate_with_a_swap, greedy
 
 from common.sampling_params import InvalidRequest, SamplingParams, choice_seed
 from worker.sequence import FinishReason
@@ -246,21 +246,8 @@ def test_invalid_sampling_parameter_rejected_naming_it(engine, ids, field, value
 def test_swap_out_on_request_holds_until_swap_in_and_output_unchanged(make_engine, ids):
     reference = generate(make_engine(), [ids[0], ids[1]], greedy(12))
     engine = make_engine(num_swap_blocks=32)
-    engine.add_request("r0", ids[0], greedy(12))
-    engine.add_request("r1", ids[1], greedy(12))
-    got = {"r0": [], "r1": []}
-    for _ in range(3):
-        for o in engine.step():
-            got[o.request_id] += o.new_token_ids
-    assert engine.preempt("r0", "swap", hold=True) == ["swap"]
-    for _ in range(4):
-        for o in engine.step():
-            got[o.request_id] += o.new_token_ids
-    assert engine.stats().num_swapped == 1 and len(got["r0"]) == 3   # held out meanwhile
-    engine.swap_in("r0")
-    while engine.has_unfinished():
-        for o in engine.step():
-            got[o.request_id] += o.new_token_ids
+    got, tokens_while_held = generate_with_a_swap(engine, [ids[0], ids[1]], greedy(12), before=3, held=4)
+    assert tokens_while_held == 3                   # held out meanwhile
     assert got == {k: v[0] for k, v in reference.items()}
     kinds = [(e.request_id, e.kind, e.mode) for e in engine.drain_events()]
     assert ("r0", "preempted", "swap") in kinds and ("r0", "resumed", "swap") in kinds

@@ -598,8 +598,9 @@ def test_unknown_quant_method_is_refused_naming_it_and_the_supported_ones(tmp_pa
     ({"format": "int-quantized", "config_groups": {}}, "format 'int-quantized': supported are float-quantized"),
     ({"ignore": ["lm_head", "re:.*down_proj$"]}, "leaves decoder linears unquantized"),
     ({"ignore": []}, "quantizes lm_head"),
-    ({"kv_cache_scheme": {"num_bits": 8, "type": "float"}}, "a quantized KV cache"),
-], ids=["format", "unquantized-decoder-linear", "quantized-lm-head", "kv-cache"])
+    ({"kv_cache_scheme": {"num_bits": 8, "type": "int"}}, "kv_cache_scheme has type 'int': only FP8 e4m3"),
+    ({"sparsity_config": {"format": "sparse-24-bitmask"}}, "asks for sparsity"),
+], ids=["format", "unquantized-decoder-linear", "quantized-lm-head", "int8-kv-cache", "sparsity"])
 def test_compressed_tensors_configs_it_cannot_run_are_refused_saying_why(tmp_path, change, message):
     save_compressed_tensors_fp8(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())

@@ -205,6 +205,7 @@ def test_inconsistent_values_fail_saying_what_to_change(chart, values, message):
 # worker.engine's keys and the EngineConfig fields they set, with a value other than the default.
 ENGINE_VALUES = {
     "dtype": ("dtype", "bfloat16"), "quantization": ("quantization", "fp8"),
+    "kvCacheDtype": ("kv_cache_dtype", "fp8"),
     "tensorParallelSize": ("tensor_parallel_size", 2),
     "gpuMemoryUtilization": ("gpu_memory_utilization", 0.5),
     "maxNumSeqs": ("max_num_seqs", 8), "maxNumBatchedTokens": ("max_num_batched_tokens", 512),
@@ -740,8 +741,9 @@ def test_a_worker_stops_within_the_charts_grace_period(defaults):
     assert code == 0 and elapsed < grace, f"exit {code} after {elapsed:.1f} s (grace {grace} s)"
 
 
-def test_the_schema_allows_exactly_the_engines_quantization_methods():
-    from worker.config import QUANTIZATION_METHODS
+def test_the_schema_allows_exactly_the_engines_quantization_methods_and_kv_cache_dtypes():
+    from worker.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS
     schema = json.loads((CHART / "values.schema.json").read_text())
     engine = schema["properties"]["worker"]["properties"]["engine"]["properties"]
     assert engine["quantization"]["enum"] == list(QUANTIZATION_METHODS)
+    assert engine["kvCacheDtype"]["enum"] == list(KV_CACHE_DTYPES)

@@ -11,7 +11,15 @@ from helpers import run_interpreter_tests
 
 from kernels.activation import silu_and_mul, silu_and_mul_ref
 from kernels.attention import paged_attention, paged_attention_ref
-from kernels.cache import copy_blocks, copy_blocks_ref, swap_blocks, write_kv, write_kv_ref
+from kernels.cache import (
+    FP8_KV_DTYPE,
+    FP8_KV_MAX,
+    copy_blocks,
+    copy_blocks_ref,
+    swap_blocks,
+    write_kv,
+    write_kv_ref,
+)
 from kernels.norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
 from kernels.rotary import apply_rotary, apply_rotary_ref, build_cos_sin_cache
 
@@ -184,6 +192,70 @@ def test_copy_and_swap_blocks_ref_match_naive():
     assert not host[1].any() and not host[3].any()
 
 
+# --------------------------------------------------------------- float8 KV pools (CPU)
+
+def fp8_pool_batch(seed: int = 0) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """A mixed batch over a float8 pool, with a scale per KV head (values of several
+    magnitudes, so that the scales matter), and the scales."""
+    batch = paged_batch([1, 20, 1, 7, 0], [40, 20, 33, 50, 0], 9, 3, 64, 32, torch.float32,
+                        pad_tokens=2, seed=seed)
+    k_scale, v_scale = torch.tensor([0.1, 0.02, 0.5]), torch.tensor([1.0, 0.05, 0.3])
+    batch["k_cache"] = (batch["k_cache"] * 8).to(FP8_KV_DTYPE)
+    batch["v_cache"] = (batch["v_cache"] * 8).to(FP8_KV_DTYPE)
+    return batch, k_scale, v_scale
+
+
+def dequantized(cache: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return cache.float() * scale[:, None]
+
+
+def test_write_kv_ref_to_a_float8_pool_stores_each_head_divided_by_its_scale():
+    k_cache = torch.zeros(6, 16, 2, 64, dtype=FP8_KV_DTYPE)
+    v_cache = torch.zeros_like(k_cache)
+    key, value = torch.randn(7, 2, 64), torch.randn(7, 2, 64)
+    k_scale, v_scale = torch.tensor([0.01, 0.1]), torch.tensor([0.002, 1.0])
+    slots = torch.tensor([0, -1, 17, 95, 31, -1, 48])
+    write_kv_ref(key, value, k_cache, v_cache, slots, k_scale, v_scale)
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            for cache, x, scale in ((k_cache, key, k_scale), (v_cache, value, v_scale)):
+                want = (x[t] / scale[:, None]).to(FP8_KV_DTYPE)
+                assert torch.equal(cache[slot // 16, slot % 16].view(torch.uint8), want.view(torch.uint8))
+    assert not k_cache[0, 1:].float().any()      # nothing else written
+
+
+def test_write_kv_ref_saturates_values_beyond_the_float8_range():
+    k_cache = torch.zeros(1, 16, 1, 16, dtype=FP8_KV_DTYPE)
+    key = torch.tensor([1e6, -1e6, 500.0, 3.0]).repeat(4).view(1, 1, 16)
+    write_kv_ref(key, key, k_cache, k_cache.clone(), torch.tensor([0]), torch.ones(1), torch.ones(1))
+    assert k_cache[0, 0, 0, :4].float().tolist() == [FP8_KV_MAX, -FP8_KV_MAX, FP8_KV_MAX, 3.0]
+
+
+def test_attention_ref_over_a_float8_pool_reads_stored_values_times_their_scales():
+    batch, k_scale, v_scale = fp8_pool_batch()
+    out = paged_attention_ref(**batch, k_scale=k_scale, v_scale=v_scale)
+    wide = dict(batch, k_cache=dequantized(batch["k_cache"], k_scale),
+                v_cache=dequantized(batch["v_cache"], v_scale))
+    torch.testing.assert_close(out.double(), naive_paged_attention(**wide), atol=1e-5, rtol=1e-5)
+
+
+def test_a_float8_pool_without_scales_is_refused():
+    batch, _, _ = fp8_pool_batch()
+    with pytest.raises(ValueError, match="float8 KV pool needs k_scale and v_scale"):
+        paged_attention(**batch)
+
+
+def test_block_copies_and_swaps_move_float8_pools_bit_for_bit():
+    pool = (torch.randn(8, 16, 2, 64) * 50).to(FP8_KV_DTYPE)
+    want = pool.view(torch.uint8).clone()
+    copy_blocks([pool], torch.tensor([[1, 5]]))
+    want[5] = want[1]
+    assert torch.equal(pool.view(torch.uint8), want)
+    host = torch.zeros(4, 16, 2, 64, dtype=FP8_KV_DTYPE)
+    swap_blocks(pool, host, torch.tensor([[3, 0]]))
+    assert torch.equal(host[0].view(torch.uint8), want[3])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_refs_match_naive(dtype):
     x, residual = torch.randn(5, 576).to(dtype), torch.randn(5, 576).to(dtype)
@@ -299,6 +371,37 @@ def test_interp_cache_ops(dtype):
     copy_blocks_ref(want, pairs)
     copy_blocks_triton(caches, pairs)
     assert all(torch.equal(c, w) for c, w in zip(caches, want))
+
+
+@interpreter_only
+def test_interp_attention_over_a_float8_pool():
+    from kernels.triton_attention import paged_attention_triton
+
+    batch, k_scale, v_scale = fp8_pool_batch()
+    want = paged_attention_ref(**batch, k_scale=k_scale, v_scale=v_scale)
+    out = paged_attention_triton(**batch, k_scale=k_scale, v_scale=v_scale)
+    torch.testing.assert_close(out[:want.shape[0]], want, **INTERP_TOL[torch.float32])
+
+
+@interpreter_only
+def test_interp_write_kv_to_a_float8_pool():
+    """On values a float8 holds exactly, over power-of-two scales: the interpreter rounds
+    float8 conversions its own way (the GPU test covers rounding, asking for equal bits)."""
+    from kernels.triton_cache import write_kv_triton
+
+    k_cache = torch.zeros(10, 16, 3, 64, dtype=FP8_KV_DTYPE)
+    v_cache = torch.zeros_like(k_cache)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    k_scale, v_scale = torch.tensor([2.0 ** -6, 0.5, 4.0]), torch.tensor([2.0 ** -3, 1.0, 0.25])
+    stored = (torch.randn(7, 2, 3, 64) * 20).to(FP8_KV_DTYPE).float()
+    kv = stored * torch.stack([k_scale, v_scale])[None, :, :, None]
+    kv[0, 0, 0, 0] = 1e6                                   # saturates
+    slots = torch.tensor([5, -1, 17, 159, 0, -1, 33])
+    write_kv_ref(kv[:, 0], kv[:, 1], want_k, want_v, slots, k_scale, v_scale)
+    write_kv_triton(kv[:, 0], kv[:, 1], k_cache, v_cache, slots, k_scale, v_scale)
+    assert torch.equal(k_cache.view(torch.uint8), want_k.view(torch.uint8))
+    assert torch.equal(v_cache.view(torch.uint8), want_v.view(torch.uint8))
+    assert want_k[0, 5, 0, 0].float() == FP8_KV_MAX
 
 
 @interpreter_only
@@ -499,3 +602,44 @@ def test_gpu_silu_and_mul(dtype, width):
     x = x.to(dtype).cuda()
     torch.testing.assert_close(silu_and_mul(x), silu_and_mul_ref(x), **GPU_ELEMENTWISE_TOL[dtype])
     assert torch.equal(silu_and_mul(x[:, None]), silu_and_mul(x)[:, None])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_gpu_attention_over_a_float8_pool(q_dtype):
+    """Each batch kind over a float8 pool with per-head scales, against the reference."""
+    block_size, head_dim, num_heads, num_kv_heads = SHAPES[3]
+    rng = torch.Generator().manual_seed(3)
+    k_scale = torch.rand(num_kv_heads, generator=rng).cuda() * 0.2 + 0.01
+    v_scale = torch.rand(num_kv_heads, generator=rng).cuda() * 0.2 + 0.01
+    for name, (q_lens, seq_lens) in gpu_batches(rng).items():
+        batch = paged_batch(q_lens, seq_lens or q_lens, num_heads, num_kv_heads, head_dim,
+                            block_size, q_dtype, "cuda", pad_tokens=3)
+        for cache in ("k_cache", "v_cache"):
+            batch[cache] = (batch[cache].float() * 30).to(FP8_KV_DTYPE)
+        want = paged_attention_ref(**batch, k_scale=k_scale, v_scale=v_scale)
+        out = paged_attention(**batch, k_scale=k_scale, v_scale=v_scale)
+        torch.testing.assert_close(out[:want.shape[0]], want, **GPU_TOL[q_dtype], msg=name)
+
+
+@pytest.mark.gpu
+def test_gpu_write_kv_to_a_float8_pool_rounds_as_the_reference():
+    rng = torch.Generator().manual_seed(2)
+    shape = (64, 16, 8, 128)
+    k_cache = torch.zeros(shape, dtype=FP8_KV_DTYPE, device="cuda")
+    v_cache = torch.zeros_like(k_cache)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    kv = (torch.randn(300, 2, 8, 128, generator=rng) * 4).to(torch.bfloat16).cuda()
+    kv[0, 0, 0, 0] = 1e9        # saturates, never NaN
+    k_scale, v_scale = (torch.rand(8, generator=rng).cuda() * 0.05 + 1e-3 for _ in range(2))
+    slots = torch.randperm(64 * 16, generator=rng)[:300].cuda()
+    slots[::7] = -1
+    write_kv_ref(kv[:, 0], kv[:, 1], want_k, want_v, slots, k_scale, v_scale)
+    write_kv(kv[:, 0], kv[:, 1], k_cache, v_cache, slots, k_scale, v_scale)
+    assert torch.equal(k_cache.view(torch.uint8), want_k.view(torch.uint8))
+    assert torch.equal(v_cache.view(torch.uint8), want_v.view(torch.uint8))
+    assert not k_cache.float().isnan().any()
+
+    pairs = torch.stack([torch.arange(0, 20), torch.arange(30, 50)], 1)
+    copy_blocks([k_cache, v_cache], pairs)
+    assert torch.equal(k_cache[30:50].view(torch.uint8), k_cache[0:20].view(torch.uint8))

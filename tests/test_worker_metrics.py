@@ -87,7 +87,11 @@ def test_counters_match_the_workload(worker):
     # The vLLM names the Gateway API Inference Extension reads.
     assert m[("vllm:num_requests_waiting", ())] == 0
     assert m[("vllm:gpu_cache_usage_perc", ())] == 0
-    assert m[("vllm:cache_config_info", (("block_size", "16"), ("num_gpu_blocks", "128")))] == 1
+    assert m[("vllm:cache_config_info", (("block_size", "16"), ("cache_dtype", "float32"),
+                                         ("num_gpu_blocks", "128")))] == 1
+    # The embedded SmolLM2's Q4_1 linears are dequantized on load: float32, unquantized.
+    assert m[("pagedserve_worker_model_config_info", (("dtype", "float32"), ("kv_cache_dtype", "float32"),
+                                                      ("quantization", "none")))] == 1
 
 
 @pytest.mark.parametrize("stop_string,reason", [(False, "abort"), (True, "stop")])

@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 # pre-quantized checkpoint's format: they run a checkpoint of that quant_method as stored (as
 # "none" does) and refuse any other, since nothing here computes 4-bit weights from real ones.
 QUANTIZATION_METHODS = ("none", "fp8", "gptq", "awq", "compressed-tensors")
+# --kv-cache-dtype values: "auto" stores K/V in the model's dtype; "fp8" (alias "fp8_e4m3") in
+# float8 e4m3 with a scale per layer or per KV head, half the bytes of 16-bit K/V.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,7 @@ class EngineConfig:
     load_format: str = "auto"             # auto | hf | gguf | dummy
     dtype: str = "auto"
     quantization: str = "none"            # one of QUANTIZATION_METHODS
+    kv_cache_dtype: str = "auto"          # one of KV_CACHE_DTYPES
     device: str = "auto"                  # auto | cpu | cuda
     seed: int = 0                         # for dummy weights
     block_size: int = 16
@@ -93,6 +97,9 @@ class EngineConfig:
         if self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization={self.quantization!r} is not supported: use one of "
                              f"{', '.join(QUANTIZATION_METHODS)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported: use one of "
+                             f"{', '.join(KV_CACHE_DTYPES)}")
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"block_size={self.block_size} must be one of 8, 16, 32, 64, 128")
         if self.max_num_seqs < 1:

@@ -5,7 +5,7 @@ EngineConfig they make. Imports no torch, so a router's `pagedserve serve --help
 import argparse
 import json
 
-from worker.config import QUANTIZATION_METHODS, EngineConfig
+from worker.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS, EngineConfig
 
 # The exit code of a worker that refused to start and said why (a taken port, a bad model or
 # setting), as argparse's is for a bad flag: `serve --role all` then adds nothing to it.
@@ -15,7 +15,7 @@ WORKER_REFUSED = 2
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model, load_format=args.load_format, dtype=args.dtype,
-        quantization=args.quantization, device=args.device,
+        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, device=args.device,
         block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory_gb=args.kv_cache_memory_gb,
@@ -59,6 +59,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
            "CPU); none: the weights as stored (a pre-quantized FP8 or 4-bit checkpoint runs as "
            "stored); gptq, awq, compressed-tensors: a checkpoint of that quant_method, as stored "
            "(W4A16 for 4-bit ones), any other refused")
+    a("--kv-cache-dtype", default=d.kv_cache_dtype, choices=KV_CACHE_DTYPES,
+      help="auto: K/V in the model's dtype; fp8 (or fp8_e4m3): float8 e4m3, twice the tokens in "
+           "the same memory, with the checkpoint's k_scale/v_scale (per layer or per KV head) or "
+           "1.0 where it has none; needs compute capability 8.9+ on a GPU")
     a("--device", default=d.device, help="auto, cpu or cuda")
     a("--block-size", type=int, default=d.block_size, help="tokens per KV block")
     a("--max-num-seqs", type=int, default=d.max_num_seqs, help="sequences per step")

@@ -14,13 +14,14 @@ import numpy as np
 import torch
 
 from kernels.attention import gather_plan
-from kernels.cache import copy_blocks, swap_blocks
+from kernels.cache import FP8_KV_DTYPE, copy_blocks, swap_blocks
 from worker.config import EngineConfig, ModelConfig
 from worker.context import AttentionMetadata, set_context
 from worker.cuda_graphs import DecodeGraphs
 from worker.kv_pool import allocate_kv_cache
 from worker.lora import LoRASlots, attach_lora
 from worker.models.loader import ModelSource, load_model
+from worker.models.quantization import FP8_MIN_CAPABILITY, quantization_label
 from worker.parallel import Shard, device_for, min_over_ranks
 from worker.sampler import PromptLogprobs, PromptScoring, SampledTokens, SamplingBatch, sample, token_logprobs
 from worker.scheduler import ScheduledSeq
@@ -50,6 +51,23 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
+def kv_cache_dtype_name(dtype: torch.dtype) -> str:
+    """As Info and the metrics name a pool's dtype: vLLM's fp8_e4m3, else PyTorch's name."""
+    return "fp8_e4m3" if dtype == FP8_KV_DTYPE else str(dtype).removeprefix("torch.")
+
+
+def resolve_kv_cache_dtype(name: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The KV pool's dtype for --kv-cache-dtype `name`: the model's (`dtype`) for auto."""
+    if name == "auto":
+        return dtype
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < FP8_MIN_CAPABILITY:
+        found = ".".join(map(str, torch.cuda.get_device_capability(device)))
+        raise ValueError(f"kv_cache_dtype={name!r} needs a GPU of compute capability "
+                         f"{'.'.join(map(str, FP8_MIN_CAPABILITY))} or later (float8 conversions), and "
+                         f"{torch.cuda.get_device_name(device)} has {found}: use kv_cache_dtype='auto'")
+    return FP8_KV_DTYPE
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -68,9 +86,13 @@ class ModelRunner:
         self.device = resolve_device(config.device) if shard.size == 1 else device_for(config, shard.rank)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.block_size = config.block_size
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)  # before loading
         self.model_config, self.model = loaded or load_model(source, self.device, self.dtype, config.seed, shard,
                                                             config.quantization)
         self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads     # this rank's
+        self.quantization = quantization_label(config.quantization, self.model_config.quantization)
+        if self.kv_dtype == FP8_KV_DTYPE and shard.rank == 0:
+            self._log_kv_scales()
         # Before the pool is sized: the adapter slots take device memory too.
         self.lora = None if not config.enable_lora else LoRASlots(
             attach_lora(self.model, config.max_loras, config.max_lora_rank), config.max_loras,
@@ -80,7 +102,7 @@ class ModelRunner:
         self.channel = StepChannel(self.device, shard) if shard.size > 1 and shard.rank == 0 else None
         cfg = self.model_config
         self.kv_cache = allocate_kv_cache(cfg.num_layers, self.num_blocks, self.block_size,
-                                          self.num_kv_heads, cfg.head_dim, self.dtype, self.device)
+                                          self.num_kv_heads, cfg.head_dim, self.kv_dtype, self.device)
         for layer, cache in zip(self.model.layers, self.kv_cache):
             layer.self_attn.k_cache, layer.self_attn.v_cache = cache[0], cache[1]
         self.num_swap_blocks = (config.num_swap_blocks if config.num_swap_blocks is not None else
@@ -89,7 +111,7 @@ class ModelRunner:
         # Uninitialised: a host block is only ever read after a swap-out wrote all of it, and
         # untouched pages cost no memory until preemption actually swaps.
         self.swap_cache = torch.empty(cfg.num_layers, 2, self.num_swap_blocks, self.block_size,
-                                      self.num_kv_heads, cfg.head_dim, dtype=self.dtype,
+                                      self.num_kv_heads, cfg.head_dim, dtype=self.kv_dtype,
                                       pin_memory=self.device.type == "cuda")
         self.pending_copies: list[tuple[int, int]] = []
         self.graphs = None
@@ -105,10 +127,22 @@ class ModelRunner:
                     lora=self.lora is not None)
                 log.info("capturing CUDA graphs of decode steps for %d batch sizes", len(self.graphs.sizes))
                 self.graphs.capture()
-        log.info("model %s on %s (%s): %d KV blocks of %d tokens = %d tokens, %.2f GiB",
+        log.info("model %s on %s (%s): %d KV blocks of %d tokens = %d tokens, %.2f GiB of %s",
                  cfg.architecture, self.device, str(self.dtype).removeprefix("torch."), self.num_blocks,
                  self.block_size, self.num_blocks * self.block_size, self.kv_cache.numel()
-                 * self.kv_cache.element_size() / 2**30)
+                 * self.kv_cache.element_size() / 2**30, str(self.kv_dtype).removeprefix("torch."))
+
+    def _log_kv_scales(self) -> None:
+        layers = [layer.self_attn for layer in self.model.layers]
+        loaded = sum(a.kv_scales_loaded for a in layers)
+        if loaded == len(layers):
+            log.info("FP8 KV cache with the checkpoint's k_scale/v_scale")
+            return
+        missing = [i for i, a in enumerate(layers) if not a.kv_scales_loaded]
+        log.warning("FP8 KV cache: the checkpoint has no k_scale/v_scale for %d of %d layers (first: "
+                    "layer %d): their K/V are stored unscaled (scale 1.0), which clips values "
+                    "beyond ±448 and rounds small ones coarsely; a checkpoint calibrated with a "
+                    "kv_cache_scheme (llm-compressor) avoids both", len(missing), len(layers), missing[0])
 
     @torch.inference_mode()
     def _compile_eager_kernels(self) -> None:
@@ -168,7 +202,7 @@ class ModelRunner:
     def block_bytes(self) -> int:
         """Bytes of one block of this rank's KV heads."""
         per_head = self.model_config.kv_bytes_per_token // self.model_config.num_kv_heads
-        return self.block_size * per_head * self.num_kv_heads * self.dtype.itemsize
+        return self.block_size * per_head * self.num_kv_heads * self.kv_dtype.itemsize
 
     def _size_pool(self) -> int:
         if self.config.num_blocks is not None:
@@ -194,7 +228,7 @@ class ModelRunner:
             query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
             max_query_len=n, max_seq_len=n))
         empty_pool = torch.zeros(1, self.block_size, self.model_config.num_kv_heads,
-                                 self.model_config.head_dim, dtype=self.dtype, device=self.device)
+                                 self.model_config.head_dim, dtype=self.kv_dtype, device=self.device)
         for layer in self.model.layers:
             layer.self_attn.k_cache = layer.self_attn.v_cache = empty_pool
         try:

@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry
 from common import tracing
 from common.convert import PREEMPTION_MODE_NAMES
 from common.grpc_server import create_server, listen
-from common.metrics import WorkerMetrics, serve_metrics
+from common.metrics import ModelSetup, WorkerMetrics, serve_metrics
 from common.pb import worker_pb2 as pb
 from common.pb import worker_pb2_grpc
 from common.reflection import enable_reflection, pool_of
@@ -32,6 +32,7 @@ from worker import faults
 from worker.config import EngineConfig
 from worker.engine import LLMEngine
 from worker.engine_loop import EngineLoop, Session, submit_tokens
+from worker.model_runner import kv_cache_dtype_name
 from worker.models.lora_checkpoint import LoRAAdapterError, read_lora_adapter
 from worker.scheduler import SWAP
 
@@ -44,8 +45,11 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     def __init__(self, engine: LLMEngine, worker_id: str, model_name: str):
         self.engine = engine
         self.registry = CollectorRegistry()     # this worker's own: nothing global leaks in
+        runner = engine.runner
         self.metrics = WorkerMetrics(model_name, self.registry, lambda: self.loop.stats, engine.config.block_size,
-                                     engine.config.max_loras if engine.lora else 0)
+                                     engine.config.max_loras if engine.lora else 0, ModelSetup(
+                                         str(runner.dtype).removeprefix("torch."), runner.quantization,
+                                         kv_cache_dtype_name(runner.kv_dtype)))
         self.loop = EngineLoop(engine, self.metrics, model_name)
         self.loop.sessions_alive = lambda: set(self.sessions)
         self.worker_id = worker_id
@@ -63,7 +67,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             max_num_batched_tokens=e.config.max_num_batched_tokens, vocab_size=cfg.vocab_size,
             eos_token_ids=sorted(e.eos_token_ids), tensor_parallel_size=e.config.tensor_parallel_size,
             prefix_caching=e.config.enable_prefix_caching,
-            max_loras=e.config.max_loras if e.lora else 0, max_lora_rank=e.config.max_lora_rank if e.lora else 0)
+            max_loras=e.config.max_loras if e.lora else 0, max_lora_rank=e.config.max_lora_rank if e.lora else 0,
+            kv_cache_dtype=self.metrics.setup.kv_cache_dtype, quantization=self.metrics.setup.quantization)
         log.info("reading the tokenizer of %s, for the routers", e.source.name)
         tokenizer = e.tokenizer
         if tokenizer is not None:

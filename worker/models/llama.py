@@ -72,6 +72,27 @@ class Attention(nn.Module):
         self.scale = self.head_dim ** -0.5
         # Views into the pool, bound by the model runner once the pool is allocated.
         self.k_cache = self.v_cache = torch.empty(0)
+        # A float8 pool's scales for this rank's KV heads (kernels.cache): the checkpoint's
+        # k_scale / v_scale where it has them (`kv_scales_loaded`), else ones.
+        self.register_buffer("k_scale", torch.ones(self.num_kv_heads, dtype=torch.float32), persistent=False)
+        self.register_buffer("v_scale", torch.ones(self.num_kv_heads, dtype=torch.float32), persistent=False)
+        self.kv_scales_loaded = False
+
+    def load_kv_scale(self, name: str, which: str, tensor: torch.Tensor, total_kv_heads: int) -> None:
+        """Sets K's, V's or both scales (`which`: k, v, kv) from checkpoint tensor `name`: one
+        value for the layer, or one per KV head of the whole model (this rank takes its own)."""
+        values = tensor.float().reshape(-1)
+        if values.numel() == total_kv_heads:
+            values = values[self.heads.kv_start:self.heads.kv_start + self.num_kv_heads]
+        elif values.numel() != 1:
+            raise ValueError(f"checkpoint tensor {name!r} has {values.numel()} values: a KV-cache scale is one "
+                             f"per layer or one per KV head ({total_kv_heads})")
+        if not bool(torch.isfinite(values).all() and (values > 0).all()):
+            raise ValueError(f"checkpoint tensor {name!r} holds a KV-cache scale that is not a positive "
+                             f"finite number: {values.tolist()[:4]}")
+        for buffer in [self.k_scale] * ("k" in which) + [self.v_scale] * ("v" in which):
+            buffer.copy_(values.expand(self.num_kv_heads))
+        self.kv_scales_loaded = True
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
         ctx = get_context()
@@ -80,10 +101,10 @@ class Attention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = apply_rotary(positions, q, k, cos_sin)
-        write_kv(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
+        write_kv(k, v, self.k_cache, self.v_cache, ctx.slot_mapping, self.k_scale, self.v_scale)
         out = paged_attention(q, self.k_cache, self.v_cache, ctx.block_tables, ctx.seq_lens,
                               ctx.query_start_loc, ctx.max_query_len, ctx.max_seq_len, self.scale,
-                              ctx.gather_plan)
+                              ctx.gather_plan, self.k_scale, self.v_scale)
         return all_reduce(self.o_proj(out.reshape(-1, self.q_size)), self.shard)
 
 
@@ -131,6 +152,9 @@ class LlamaForCausalLM(nn.Module):
         """Ties the LM head and fills the rotary table; again after `to_empty` from meta."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        for layer in self.layers:
+            layer.self_attn.k_scale.fill_(1.0)
+            layer.self_attn.v_scale.fill_(1.0)
         if self.cos_sin.device.type != "meta":
             cfg = self.config
             self.cos_sin.copy_(build_cos_sin_cache(cfg.head_dim, cfg.max_position_embeddings,
@@ -177,6 +201,13 @@ class LlamaForCausalLM(nn.Module):
             if "rotary_emb" in name or (name == "lm_head.weight" and cfg.tie_word_embeddings):
                 continue
             parts = name.split(".")
+            if (kv_scale := _kv_scale(parts)) is not None:
+                attention, which = kv_scale
+                if attention not in modules:
+                    raise ValueError(f"checkpoint tensor {name!r} has no place in {cfg.architecture}")
+                tensor = source if isinstance(source, torch.Tensor) else source[...]   # 0-dim ones too
+                modules[attention].load_kv_scale(name, which, tensor, cfg.num_kv_heads)
+                continue
             shape = tuple(source.shape if isinstance(source, torch.Tensor) else source.get_shape())
             target, offset, tensor, out_dim = name, 0, None, None
             if len(parts) >= 2 and parts[-2] in layout:
@@ -224,6 +255,20 @@ class LlamaForCausalLM(nn.Module):
 
 
 OUT, IN = "out", "in"   # a layer's axis that tensor parallelism slices: its outputs or its inputs
+
+# Checkpoint names of KV-cache scales, by their last parts: compressed-tensors' and vLLM's
+# (self_attn.k_scale), older compressed-tensors' (k_proj.output_scale), AutoFP8's one for both.
+_KV_SCALE_NAMES = {("k_scale",): "k", ("v_scale",): "v", ("kv_scale",): "kv",
+                   ("k_proj", "output_scale"): "k", ("v_proj", "output_scale"): "v"}
+
+
+def _kv_scale(parts: list[str]) -> tuple[str, str] | None:
+    """(the attention module's name, which scales) when `parts` name a KV-cache scale."""
+    for tail, which in _KV_SCALE_NAMES.items():
+        head = parts[:-len(tail)]
+        if tuple(parts[-len(tail):]) == tail and head and head[-1] == "self_attn":
+            return ".".join(head), which
+    return None
 
 
 def _axes(module: nn.Module | None, param: str) -> tuple[int | None, int | None, int]:

@@ -568,6 +568,15 @@ def allowed_quantizations(checkpoint: CheckpointQuantization | None) -> tuple[st
     return ("none", checkpoint.quant_method) + fp8
 
 
+def quantization_label(quantization: str, checkpoint: CheckpointQuantization | None) -> str:
+    """What the decoder linears are, for Info and the metrics: `none`, `fp8` (quantized on
+    load), or the checkpoint's quant_method and scheme (`gptq w4a16`, `gguf Q4_0`, ...)."""
+    if checkpoint is None or quantization == "fp8" and checkpoint.quant_method == "gguf":
+        return quantization if quantization == "fp8" else "none" if quantization == "none" else f"{quantization} w4a16"
+    scheme = checkpoint.checkpoint_format if checkpoint.quant_method == "gguf" else checkpoint.method
+    return f"{checkpoint.quant_method} {scheme}"
+
+
 def linear_method(quantization: str, checkpoint: CheckpointQuantization | None,
                   dummy: bool = False) -> LinearMethod:
     """The method for `--quantization` on a checkpoint quantized as `checkpoint` (None: high
@@ -645,11 +654,16 @@ def _splits_heads(cfg: ModelConfig, size: int) -> bool:
 
 # ---------------------------------------------------------------- config.json's quantization_config
 
-def checkpoint_quantization(config: dict, model: ModelConfig) -> CheckpointQuantization:
+def checkpoint_quantization(config: dict, model: ModelConfig) -> CheckpointQuantization | None:
     """Checks a config.json `quantization_config` against the model it quantizes; ValueError
-    names what is not supported and what is."""
+    names what is not supported and what is. None: the decoder linears are not quantized (a
+    compressed-tensors config with a KV-cache scheme only)."""
     method = config.get("quant_method")
     if method == "compressed-tensors":
+        if config.get("kv_cache_scheme"):
+            _check_kv_cache_scheme(config["kv_cache_scheme"])
+            if not config.get("config_groups"):
+                return None
         return _compressed_tensors(config, model)
     if method == "fp8":
         block = config.get("weight_block_size")
@@ -665,6 +679,27 @@ def checkpoint_quantization(config: dict, model: ModelConfig) -> CheckpointQuant
         return _check_w4_groups(_awq(config, model), model)
     raise ValueError(f"quantization_config.quant_method {method!r} is not supported (supported: "
                      f"{'; '.join(SUPPORTED_CHECKPOINTS)})")
+
+
+# KV-cache scale layouts a compressed-tensors kv_cache_scheme may give (its `strategy`): one
+# scale per layer for K and one for V, or one per KV head.
+KV_SCALE_STRATEGIES = ("tensor", "attn_head")
+
+
+def _check_kv_cache_scheme(scheme: dict) -> None:
+    """A compressed-tensors kv_cache_scheme is served with --kv-cache-dtype fp8, its
+    k_scale/v_scale read with the weights: FP8 (8-bit float), symmetric, static scales."""
+    where = "quantization_config (compressed-tensors) kv_cache_scheme"
+    wanted = {"num_bits": 8, "type": "float", "symmetric": True}
+    for key, value in wanted.items():
+        if scheme.get(key, value) != value:
+            raise ValueError(f"{where} has {key} {scheme.get(key)!r}: only FP8 e4m3 KV caches are supported "
+                             f"(num_bits 8, type float, symmetric)")
+    if scheme.get("dynamic"):
+        raise ValueError(f"{where} asks for dynamic scales: only static ones (k_scale, v_scale) are supported")
+    if scheme.get("strategy", "tensor") not in KV_SCALE_STRATEGIES:
+        raise ValueError(f"{where} has strategy {scheme.get('strategy')!r}: allowed are "
+                         f"{', '.join(KV_SCALE_STRATEGIES)}")
 
 
 def _gptq(config: dict) -> CheckpointQuantization:
@@ -738,8 +773,7 @@ def _compressed_tensors(config: dict, model: ModelConfig) -> CheckpointQuantizat
     per tensor, `float-quantized`) or 4-bit integer weights (`pack-quantized`), one scheme on
     every decoder linear and on nothing else."""
     where = "quantization_config (compressed-tensors)"
-    for key, what in (("sparsity_config", "sparsity"), ("kv_cache_scheme", "a quantized KV cache"),
-                      ("transform_config", "transforms")):
+    for key, what in (("sparsity_config", "sparsity"), ("transform_config", "transforms")):
         if config.get(key):
             raise ValueError(f"{where} asks for {what} ({key}), which is not supported")
     groups = config.get("config_groups") or {}
@@ -838,5 +872,5 @@ def _is_fp8(source: Tensorish) -> bool:
 
 
 def _whole(source: Tensorish) -> torch.Tensor:
-    return source if isinstance(source, torch.Tensor) else source[:]
+    return source if isinstance(source, torch.Tensor) else source[...]     # [...]: 0-dim ones too
 
