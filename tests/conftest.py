@@ -1,6 +1,25 @@
 """Shared pytest hooks."""
 
+import os
+import shutil
+import tempfile
+
 import pytest
+
+_made_cache_dir: str | None = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """One GGUF cache (worker.models.gguf_cache) for the run, its worker processes included,
+    away from the user's own; removed at the end unless the caller named one."""
+    global _made_cache_dir
+    if "PAGEDSERVE_CACHE_DIR" not in os.environ:
+        _made_cache_dir = os.environ["PAGEDSERVE_CACHE_DIR"] = tempfile.mkdtemp(prefix="pagedserve-cache-")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _made_cache_dir is not None:
+        shutil.rmtree(_made_cache_dir, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -19,6 +19,7 @@ from common.progress import progress
 from worker.config import CheckpointQuantization, ModelConfig
 from worker.models.llama import CheckpointSlice, LlamaForCausalLM
 from worker.models.quantization import checkpoint_quantization, linear_method
+from worker.models.gguf_cache import cached_dequantized, caching_dequantized, gguf_tokenizer
 from worker.models.w4_formats import GGUF_BLOCK, from_gguf_q4_0, from_gguf_q8_0
 from worker.parallel import Shard
 
@@ -232,15 +233,16 @@ def _unpermute_qk(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_weights(path: str, cfg: ModelConfig, reader=None,
-                 keep: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+def gguf_weights(path: str, cfg: ModelConfig, reader=None, keep: frozenset[str] = frozenset(),
+                 dequantized: dict[str, int] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """The tensors with Hugging Face names, dequantized to float32, except the decoder linears
     of a type in `keep` (GGUF_KEPT): those come repacked into the canonical 4-bit tensors
-    (`<linear>.qweight`, `.scales`, `.zeros`, and `_low` ones for Q8_0)."""
+    (`<linear>.qweight`, `.scales`, `.zeros`, and `_low` ones for Q8_0). `dequantized`, if
+    given, is filled with the count of tensors dequantized by quantized type."""
     import gguf
     reader = reader or _open_gguf(path)
     llama_layout = cfg.architecture == "LlamaForCausalLM"
-    dequantized: dict[str, int] = {}        # quantized type -> tensors dequantized on load
+    dequantized = {} if dequantized is None else dequantized
     for t in progress(reader.tensors, len(reader.tensors), f"reading {os.path.basename(path)}"):
         kept = _gguf_linear(t.name) and t.tensor_type.name in keep
         try:
@@ -269,9 +271,13 @@ def gguf_weights(path: str, cfg: ModelConfig, reader=None,
                 yield from ((f"{linear}.{part}{suffix}", getattr(w, part)) for part in ("qweight", "scales", "zeros"))
         else:
             yield name, torch.from_numpy(np.array(array, dtype=np.float32))
+    _log_dequantized(path, dequantized)
+
+
+def _log_dequantized(path: str, dequantized: dict[str, int], cached: str = "") -> None:
     if dequantized:
-        log.info("%s: dequantized on load, not kept quantized (tensors by type): %s", os.path.basename(path),
-                 ", ".join(f"{kind} {n}" for kind, n in sorted(dequantized.items())))
+        log.info("%s: dequantized on load, not kept quantized (tensors by type): %s%s", os.path.basename(path),
+                 ", ".join(f"{kind} {n}" for kind, n in sorted(dequantized.items())), cached)
 
 
 # ---------------------------------------------------------------- entry points
@@ -280,7 +286,8 @@ def load_config(source: ModelSource, gguf_reader=None) -> ModelConfig:
     if source.path is None:
         return ModelConfig(**PRESETS[source.name])
     if source.path.endswith(".gguf"):
-        return config_from_gguf(source.path, gguf_reader)
+        cached = cached_dequantized(source.path) if gguf_reader is None else None
+        return cached.config if cached is not None else config_from_gguf(source.path, gguf_reader)
     return config_from_hf(source.path)
 
 
@@ -301,8 +308,10 @@ def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype, se
     """Builds the model (`shard`'s slice of it) on `device` without a throwaway
     initialisation, then fills it; `quantization` is EngineConfig's (a pre-quantized checkpoint
     loads as its config.json says, under none or the name of its method; another is refused)."""
-    reader = _open_gguf(source.path) if source.path and source.path.endswith(".gguf") else None
-    cfg = load_config(source, reader)
+    is_gguf = source.format == "gguf"
+    cached = cached_dequantized(source.path) if is_gguf else None     # then no reader is needed
+    reader = _open_gguf(source.path) if is_gguf and cached is None else None
+    cfg = cached.config if cached is not None else load_config(source, reader)
     try:
         method = linear_method(quantization, cfg.quantization, dummy=source.format == "dummy")
     except ValueError as e:
@@ -322,8 +331,15 @@ def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype, se
     try:
         if source.format == "dummy":
             dummy_weights(model, seed + 7919 * shard.rank)
-        elif source.format == "gguf":
-            model.load_weights(gguf_weights(source.path, cfg, reader, method.keep))
+        elif cached is not None:        # its linears are dequantized under every method (keep is empty)
+            model.load_weights(cached.weights())
+            _log_dequantized(source.path, cached.dequantized, f" (read from the cache at {cached.path})")
+        elif is_gguf:
+            dequantized: dict[str, int] = {}
+            weights = gguf_weights(source.path, cfg, reader, method.keep, dequantized)
+            if not method.keep and cfg.quantization is None:
+                weights = caching_dequantized(source.path, cfg, weights, dequantized)
+            model.load_weights(weights)
         else:
             model.load_weights(method.checkpoint_tensors(hf_weights(source.path)))
         method.after_loading(model)
@@ -344,8 +360,7 @@ def load_tokenizer(source: ModelSource):
         return None     # a preset or a bare config (dummy weights): token ids only
     try:
         if source.path.endswith(".gguf"):
-            return AutoTokenizer.from_pretrained(os.path.dirname(source.path),
-                                                 gguf_file=os.path.basename(source.path))
+            return gguf_tokenizer(source.path)
         return AutoTokenizer.from_pretrained(source.path)
     except Exception as e:
         raise ModelLoadError(f"cannot load the tokenizer of {source.path}: {e}") from e
