@@ -7,7 +7,7 @@ import torch
 
 from common.sampling_params import SamplingParams
 from worker.sampler import (BadWords, SampleResult, SamplingBatch, SamplingRow, filter_logits, apply_penalties,
-                            sample, seeded_uniform)
+                            sample, seeded_uniform, uniform_from_bits)
 
 V = 8
 
@@ -76,6 +76,24 @@ def test_seeded_uniform_depends_only_on_seed_position_and_token():
     assert torch.equal(u[0], u[1]) and not torch.equal(u[0], u[2])
     assert 0 < u.min() and u.max() < 1 and abs(u.mean().item() - 0.5) < 0.03
     assert not torch.equal(u[0], seeded_uniform(seeds[:1], pos[:1] + 1, vocab)[0])
+
+
+def test_uniform_numbers_stay_strictly_inside_zero_and_one_at_the_extreme_hashes():
+    u = uniform_from_bits(torch.tensor([0, 1, 2**31, 2**32 - 2, 2**32 - 1]))
+    assert u.dtype == torch.float32 and bool((u > 0).all() and (u < 1).all())
+    assert -torch.log(u).min() > 0
+
+
+def test_a_token_filtered_out_is_never_drawn_over_many_draws_of_a_large_vocabulary():
+    """Top-k 1 over a 49k vocabulary, 96 rows by 64 positions: every draw is the top token
+    (where a uniform number could reach 1, about one draw in 340 was not)."""
+    vocab = 49152
+    logits = torch.randn(96, vocab, generator=torch.Generator().manual_seed(0))
+    params = SamplingParams(temperature=1.0, top_k=1)
+    for position in range(64):
+        rows = [SamplingRow(params, seed, position, [], 0, []) for seed in range(96)]
+        drawn = sample(logits, SamplingBatch.build(rows, vocab, torch.device("cpu"))).read().token_ids
+        assert drawn == logits.argmax(-1).tolist(), position
 
 
 def test_banned_tokens_are_never_drawn():

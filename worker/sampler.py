@@ -33,8 +33,16 @@ def seeded_uniform(seeds: torch.Tensor, positions: torch.Tensor, token_ids: torc
     """Uniform numbers in (0, 1), one per (row, token): `seeds[B]`, `positions[B]` int64,
     `token_ids[V]` or `[B, V]`."""
     key = _mix32((seeds & _M32) ^ _mix32(((seeds >> 32) & _M32) ^ (positions * 0x9E3779B1 & _M32)))
-    h = _mix32(key[:, None] ^ ((token_ids * 0x27D4EB2F) & _M32))
-    return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    return uniform_from_bits(_mix32(key[:, None] ^ ((token_ids * 0x27D4EB2F) & _M32)))
+
+
+def uniform_from_bits(h: torch.Tensor) -> torch.Tensor:
+    """32-bit hashes (int64) as float32 numbers strictly inside (0, 1): the top 23 bits plus a
+    half, over 2^23, every value exact. (With 24 bits, 2^24 - 1 + 0.5 rounds to 2^24 in float32:
+    u = 1, whose -log is 0, and the exponential race divided a filtered token's zero
+    probability by it: NaN, which argmax takes. One draw in 2^24 per token, about one step in
+    340 over a 49k vocabulary, drew a token that top-k, top-p, a grammar or a ban had ruled out.)"""
+    return ((h >> 9).float() + 0.5) * (1.0 / (1 << 23))
 
 
 @dataclass(frozen=True)
