@@ -14,6 +14,7 @@ at two addresses is used once.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -51,6 +52,9 @@ class ModelSpec:
     # None: the model came without tokenizer files (dummy weights of a bare config), so it is
     # served on token ids only, as vLLM's --skip-tokenizer-init does.
     tokenizer: RouterTokenizer | None
+    # Custom logits processors every connected worker has loaded: any of them can take a
+    # request that selects these.
+    logits_processors: frozenset[str] = frozenset()
 
 
 class _Refused(Exception):
@@ -207,7 +211,7 @@ class Fleet:
                            f"{self.workers[info.worker_id].address}")
         if self._model is None:
             self._model = ModelSpec(info.model_name, info.max_model_len, info.vocab_size,
-                                    info.block_size, tokenizer)
+                                    info.block_size, tokenizer, frozenset(info.logits_processors))
             if tokenizer is None:
                 log.warning("model has no tokenizer: serving token ids only (no text, chat or "
                             "stop strings)", extra={"model": info.model_name})
@@ -253,9 +257,10 @@ class Fleet:
         if self._model is None or not self.workers:
             return
         max_model_len = min(w.info.max_model_len for w in self.workers.values())
-        if max_model_len != self._model.max_model_len:
-            self._model = ModelSpec(self._model.name, max_model_len, self._model.vocab_size,
-                                    self._model.block_size, self._model.tokenizer)
+        processors = frozenset.intersection(*(frozenset(w.info.logits_processors) for w in self.workers.values()))
+        if (max_model_len, processors) != (self._model.max_model_len, self._model.logits_processors):
+            self._model = dataclasses.replace(self._model, max_model_len=max_model_len,
+                                              logits_processors=processors)
 
     def _notify(self) -> None:
         self._changed.set()

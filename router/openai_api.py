@@ -45,7 +45,7 @@ from router.openai_protocol import (
     tool_calls_of,
     usage_json,
 )
-from router.tool_calls import StreamedCalls, ToolCalling
+from router.tool_calls import StreamedCalls, ToolCallError, ToolCalling
 
 log = logging.getLogger("pagedserve.http")
 
@@ -221,7 +221,7 @@ class OpenAIApi:
             self.service.reject("invalid", request[REQUEST_ID], error.message)
             raise
         names = names_for(body, chat=chat)
-        calling = tool_calls_of(body) if chat else None
+        calling = self._tool_calling(body, request[REQUEST_ID]) if chat else None
         parent = tracing.extract(request.headers) if tracing.enabled() else None
         params = grpc_requests[0].params
         n = params.n if params.HasField("n") else 1
@@ -256,6 +256,19 @@ class OpenAIApi:
             except ApiError as error:
                 raise HttpError.from_api(error, names) from None
         return web.json_response(completion_json(meta, acc))
+
+    def _tool_calling(self, body: dict, request_id: str) -> ToolCalling | None:
+        """The chat's tool calling; under "auto", with the served model's tool-call syntax."""
+        calling = tool_calls_of(body)
+        if calling is None or not calling.auto:
+            return calling
+        served = self._served()
+        template = served.tokenizer.hf.chat_template or "" if served.tokenizer is not None else ""
+        try:
+            return calling.with_syntax(template, served.names[0])
+        except ToolCallError as error:
+            self.service.reject("invalid", request_id, str(error))
+            raise HttpError(400, str(error), error.param) from None
 
     async def _prompt_text(self, request: pb.GenerateRequest) -> str:
         """A completion prompt as text, to echo: a token-id prompt decoded, special tokens kept."""

@@ -253,7 +253,7 @@ def sampling_parameters(body: dict, *, chat: bool) -> pb.SamplingParameters:
         p.extra_args.update(extra_args)
     _refuse_unsupported(body, chat=chat)
     constraint = structured_output(body)
-    if chat and (calling := tool_calls_of(body)) is not None:
+    if chat and (calling := tool_calls_of(body)) is not None and not calling.auto:
         if constraint is not None:
             raise HttpError(400, "a tool call and response_format / structured_outputs cannot both "
                             "constrain the output", "tool_choice")
@@ -348,6 +348,8 @@ def generate_requests(body: dict, *, chat: bool, request_id: str) -> list[pb.Gen
         request.skip_special_tokens = skip
     if chat:
         request.chat.CopyFrom(chat_messages(body))
+        if (calling := tool_calls_of(body)) is not None:
+            request.chat.tools.extend(calling.tools)
         return [request]
     prompts = completion_prompts(body.get("prompt"))
     requests = []
@@ -502,9 +504,9 @@ class Accumulator:
             if self.want_logprobs:
                 logprobs = _chat_logprobs(self.logprobs[i]) if self.chat else _completion_logprobs(self.logprobs[i], 0)
             choice = {"index": i, "logprobs": logprobs, "finish_reason": self.finish[i]}
-            call = self.calling.call(text) if self.calling is not None else None
-            if call is not None:
-                choice |= {"message": {"role": "assistant", "content": None, "tool_calls": [call]},
+            content, calls = self.calling.split(text) if self.calling is not None else (text, [])
+            if calls:
+                choice |= {"message": {"role": "assistant", "content": content, "tool_calls": calls},
                            "finish_reason": "tool_calls" if self.finish[i] == "stop" else self.finish[i]}
             elif self.chat:
                 choice |= {"message": {"role": "assistant", "content": text}}

@@ -34,6 +34,7 @@ class ServedModel:
     vocab_size: int
     tokenizer: RouterTokenizer | None   # None: token ids only (see router.fleet.ModelSpec)
     lora_adapters: frozenset[str] = frozenset()   # LoRA adapters, each a model name of its own
+    logits_processors: frozenset[str] = frozenset()   # selectable by name on every worker
 
     def check_name(self, model: str) -> None:
         """Empty means the default; any other name must be served (NOT_FOUND otherwise)."""
@@ -127,6 +128,11 @@ def prepare_generate(request: pb.GenerateRequest, model: ServedModel) -> Prepare
         if not stop:
             raise invalid_argument(f"params.stop[{i}] is empty: a stop string needs at least one "
                                    "character", f"params.stop[{i}]")
+    for i, name in enumerate(request.params.logits_processors):
+        if name not in model.logits_processors:
+            raise invalid_argument(f"logits_processors[{i}]: {name!r} is not loaded on the workers (loaded: "
+                                   f"{', '.join(sorted(model.logits_processors)) or 'none'}; a worker loads "
+                                   "them with --logits-processors)", "logits_processors")
     if request.params.stop and model.tokenizer is None:
         raise invalid_argument(f"params.stop: the model {model.names[0]} is served without a "
                                "tokenizer, so there is no text to match stop strings in; use "
@@ -244,6 +250,22 @@ def _template_message(message: pb.ChatMessage) -> dict:
     return out
 
 
+def _template_tool(tool: pb.ChatTool, position: int) -> dict:
+    """A tool as chat templates take it (OpenAI's form, parameters as a mapping)."""
+    if not tool.name:
+        raise invalid_argument(f"chat.tools[{position}].name is empty", f"chat.tools[{position}].name")
+    function: dict = {"name": tool.name}
+    if tool.description:
+        function["description"] = tool.description
+    if tool.parameters_json:
+        try:
+            function["parameters"] = json.loads(tool.parameters_json)
+        except ValueError:
+            raise invalid_argument(f"chat.tools[{position}].parameters_json is not JSON",
+                                   f"chat.tools[{position}].parameters_json") from None
+    return {"type": "function", "function": function}
+
+
 def _json_or_text(text: str):
     try:
         return json.loads(text)
@@ -262,6 +284,7 @@ def _chat_token_ids(chat: pb.ChatMessages, tokenizer: RouterTokenizer) -> list[i
     add_generation_prompt = (chat.add_generation_prompt
                              if chat.HasField("add_generation_prompt") else True)
     try:
-        return tokenizer.encode_chat([_template_message(m) for m in chat.messages], add_generation_prompt)
+        return tokenizer.encode_chat([_template_message(m) for m in chat.messages], add_generation_prompt,
+                                     [_template_tool(t, i) for i, t in enumerate(chat.tools)] or None)
     except ChatTemplateError as error:
         raise invalid_argument(f"chat: {error}", "chat") from None

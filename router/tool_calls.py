@@ -1,21 +1,23 @@
-"""OpenAI tool calls, made by constraining the output: a request's `tools` and `tool_choice` become
-a JSON-schema constraint, and the constrained output becomes the message's `tool_calls`.
+"""OpenAI tool calls: a request's `tools` are shown to the model through its chat template, and
+`tool_choice` decides how its output becomes the message's `tool_calls`.
 
 `tool_choice` a named function constrains the output to that function's `parameters` schema:
 the output is the call's arguments. `"required"` constrains it to `{"name": ..., "arguments":
-...}` for one of the tools. `"none"` calls nothing (the tools are ignored). `"auto"`, OpenAI's
-default whenever `tools` are given, would need the model's own tool-call syntax told apart from
-text, which differs by model family and is not parsed here: it is refused with a 400 saying to
-send `"required"` or a named function.
+...}` for one of the tools. `"none"` calls nothing (the tools are not shown). `"auto"`, OpenAI's
+default whenever `tools` are given, lets the model choose: its output is parsed in its own
+family's tool-call syntax (router.tool_syntax, told from its chat template), and a model whose
+syntax is not known gets a 400 naming the known ones and the choices that work anywhere.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import uuid
 from dataclasses import dataclass, field
 
 from common.pb import generation_pb2 as pb
+from router.tool_syntax import KNOWN_SYNTAXES, ToolSyntax
 
 
 class ToolCallError(ValueError):
@@ -29,11 +31,42 @@ class ToolCallError(ValueError):
 @dataclass(frozen=True)
 class ToolCalling:
     """How a request's choices call tools: `forced`, the one function called, or None for
-    any of `schemas` (`"required"`)."""
+    any of `schemas` (`"required"`); `auto`: the model chooses, and `syntax` parses what it
+    wrote (set by `with_syntax` once the model is known)."""
     schemas: dict[str, dict]            # tool name -> its parameters' JSON schema
     forced: str | None
+    tools: tuple[pb.ChatTool, ...] = ()     # as the chat template is given them
+    auto: bool = False
+    syntax: ToolSyntax | None = None
 
-    def constraint(self) -> pb.StructuredOutput:
+    def with_syntax(self, chat_template: str, model: str) -> ToolCalling:
+        """For `auto`: this calling with the tool-call syntax of the model's chat template;
+        raises ToolCallError where none is known."""
+        if not self.auto:
+            return self
+        syntax = next((s for s in KNOWN_SYNTAXES if s.matches(chat_template)), None)
+        if syntax is None:
+            raise ToolCallError(
+                f"tool_choice \"auto\" (the default when tools are given) needs the model's own tool-call "
+                f"syntax, and the chat template of {model} is of no family whose syntax is known ("
+                f"{'; '.join(s.description for s in KNOWN_SYNTAXES)}): send tool_choice \"required\" or "
+                "{\"type\": \"function\", \"function\": {\"name\": ...}}, which work with any model",
+                "tool_choice")
+        return dataclasses.replace(self, syntax=syntax)
+
+    def split(self, text: str) -> tuple[str | None, list[dict]]:
+        """A complete output as (content, tool calls): for `auto`, as its syntax parses it
+        (calls of tools not given are left as text); else one call, or the text as content
+        where it was cut short."""
+        if self.auto:
+            content, calls = self.syntax.split(text, set(self.schemas))
+            return content, [_call(name, arguments) for name, arguments in calls]
+        call = self.call(text)
+        return (None, [call]) if call is not None else (text, [])
+
+    def constraint(self) -> pb.StructuredOutput | None:
+        if self.auto:
+            return None
         if self.forced is not None:
             return pb.StructuredOutput(json_schema=json.dumps(self.schemas[self.forced]))
         calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": schema},
@@ -48,10 +81,12 @@ class ToolCalling:
         except json.JSONDecodeError:
             return None
         if self.forced is not None:
-            name, arguments = self.forced, text
-        else:
-            name, arguments = value["name"], json.dumps(value["arguments"])
-        return {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+            return _call(self.forced, text)
+        return _call(value["name"], json.dumps(value["arguments"]))
+
+
+def _call(name: str, arguments: str) -> dict:
+    return {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 def new_call_id() -> str:
@@ -72,7 +107,7 @@ def tool_calling(body: dict) -> ToolCalling | None:
     if not isinstance(tools, list) or not tools:
         raise ToolCallError("tools must be a non-empty array of {\"type\": \"function\", \"function\": "
                             "{\"name\", \"parameters\"}}", "tools")
-    schemas = {}
+    schemas, shown = {}, []
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
         name = function.get("name") if isinstance(function, dict) else None
@@ -85,22 +120,25 @@ def tool_calling(body: dict) -> ToolCalling | None:
                                 f"tools[{i}].function.parameters")
         if name in schemas:
             raise ToolCallError(f"tools[{i}]: a second function named {name!r}", f"tools[{i}]")
+        description = function.get("description", "")
+        if not isinstance(description, str):
+            raise ToolCallError(f"tools[{i}].function.description must be a string", f"tools[{i}].function.description")
         schemas[name] = parameters
+        shown.append(pb.ChatTool(name=name, description=description,
+                                 parameters_json=json.dumps(parameters) if "parameters" in function else ""))
     if choice == "none":
         return None
+    tools = tuple(shown)
     if choice == "required":
-        return ToolCalling(schemas, None)
+        return ToolCalling(schemas, None, tools)
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
         name = choice["function"].get("name")
         if name not in schemas:
             raise ToolCallError(f"tool_choice names {name!r}, which is not among the tools: "
                                 f"{', '.join(schemas)}", "tool_choice")
-        return ToolCalling(schemas, name)
+        return ToolCalling(schemas, name, tools)
     if choice in (None, "auto"):
-        raise ToolCallError("tool_choice \"auto\" (the default when tools are given) is not supported: "
-                            "this server does not parse a model's own tool-call syntax; send tool_choice "
-                            "\"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}}",
-                            "tool_choice")
+        return ToolCalling(schemas, None, tools, auto=True)
     raise ToolCallError(f"tool_choice must be \"none\", \"required\", \"auto\" or a named function; got "
                         f"{json.dumps(choice)[:60]}", "tool_choice")
 
@@ -109,21 +147,29 @@ def tool_calling(body: dict) -> ToolCalling | None:
 class StreamedCalls:
     """The tool-call deltas of a streamed chat, per choice: a forced call streams its arguments
     as they come (its id and name first); a `"required"` one is sent whole when its choice ends,
-    since the name is known only then."""
+    since the name is known only then. Under `"auto"` the text streams as content while its
+    syntax says it is text for sure; the calls, and any text held back, go when the choice ends."""
     calling: ToolCalling
     n: int
     text: list[str] = field(init=False)
     ids: list[str] = field(init=False)
+    sent: list[int] = field(init=False)         # auto: characters of text already sent as content
+    made: list[bool] = field(init=False)        # auto: whether the ended choice called a tool
 
     def __post_init__(self) -> None:
         self.text, self.ids = [""] * self.n, [new_call_id() for _ in range(self.n)]
+        self.sent, self.made = [0] * self.n, [False] * self.n
 
     def call_made(self, index: int) -> bool:
-        """Whether choice `index`'s output so far is a whole tool call."""
+        """Whether choice `index`'s output so far is a whole tool call (auto: called tools)."""
+        if self.calling.auto:
+            return self.made[index]
         return self.calling.call(self.text[index]) is not None
 
     def delta(self, index: int, text: str, finished: bool) -> dict | None:
         """The `delta` of a chunk for `text` arriving on choice `index` (None: nothing to send)."""
+        if self.calling.auto:
+            return self._auto_delta(index, text, finished)
         first = not self.text[index]
         self.text[index] += text
         if self.calling.forced is not None:
@@ -138,3 +184,21 @@ class StreamedCalls:
         if whole is None:           # cut short: what there is, as text
             return {"content": self.text[index]}
         return {"tool_calls": [{"index": 0} | whole | {"id": self.ids[index]}]}
+
+    def _auto_delta(self, index: int, text: str, finished: bool) -> dict | None:
+        self.text[index] += text
+        whole, sent = self.text[index], self.sent[index]
+        if not finished:
+            ready = self.calling.syntax.streamable(whole)
+            if ready <= sent:
+                return None
+            self.sent[index] = ready
+            return {"content": whole[sent:ready]}
+        content, calls = self.calling.split(whole)
+        self.made[index] = bool(calls)
+        delta: dict = {}
+        if (rest := (content or "")[sent:]):
+            delta["content"] = rest
+        if calls:
+            delta["tool_calls"] = [{"index": i} | call for i, call in enumerate(calls)]
+        return delta or None

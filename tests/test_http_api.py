@@ -473,10 +473,92 @@ def test_streamed_tool_call_deltas_add_up_to_the_unstreamed_call(client, model, 
     assert (name, arguments, finish) == (whole.function.name, whole.function.arguments, "tool_calls")
 
 
-def test_tool_choice_auto_is_a_400_saying_what_to_send(client, model):
+def test_tool_choice_auto_on_a_model_of_no_known_syntax_is_a_400_naming_the_known_ones(client, model):
+    """SmolLM2-135M-Instruct's chat template knows no tools."""
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, max_tokens=5)
-    assert refused.value.body["param"] == "tool_choice" and "required" in refused.value.body["message"]
+    body = refused.value.body
+    assert body["param"] == "tool_choice"
+    assert "is of no family whose syntax is known (hermes: " in body["message"] and "llama3_json: " in body["message"]
+    assert "send tool_choice \"required\"" in body["message"]
+
+
+# A Hermes-style chat template (Qwen2.5's shape, written for the test): the tools in <tools>, a
+# call in <tool_call> tags.
+HERMES_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nYou may call these functions:\n<tools>\n"
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools>\nFor a call, return "
+    "<tool_call>{\"name\": ..., \"arguments\": ...}</tool_call><|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def hermes(tmp_path_factory, smollm_tokenizer):
+    """An OpenAI client of a router over a worker of a small random model whose chat template
+    is Hermes-style (SmolLM2's tokenizer, dummy weights): tool_choice "auto" parses its syntax.
+    Its outputs are forced with structured_outputs, since its weights are random."""
+    from transformers import LlamaConfig
+    path = tmp_path_factory.mktemp("hermes")
+    LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                eos_token_id=smollm_tokenizer.eos_token_id).save_pretrained(path)
+    smollm_tokenizer.save_pretrained(path)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": HERMES_TEMPLATE}))
+    (path / "chat_template.jinja").unlink(missing_ok=True)
+    with WorkerProcess(["--model", str(path), "--load-format", "dummy"]) as worker:
+        router = RouterProcess([worker.address])
+        try:
+            client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="unused", max_retries=0, timeout=60)
+            yield client, client.models.list().data[0].id
+        finally:
+            router.stop()
+
+
+HERMES_CALL = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}\n'
+               '</tool_call>')
+
+
+def test_tool_choice_auto_turns_a_hermes_models_call_into_tool_calls(hermes):
+    client, model = hermes
+    forced = {"structured_outputs": {"regex": re.escape("Let me check.\n" + HERMES_CALL)}}
+    choice = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, max_tokens=80,
+                                            extra_body=forced).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me check.\n", choice
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Oslo", "unit": "celsius"}
+
+
+def test_tool_choice_auto_streams_a_hermes_models_text_then_its_call(hermes):
+    client, model = hermes
+    forced = {"structured_outputs": {"regex": re.escape("Checking.\n" + HERMES_CALL)}}
+    content, calls, finish = "", [], None
+    for chunk in client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, max_tokens=80,
+                                                stream=True, extra_body=forced):
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            calls += choice.delta.tool_calls or []
+            finish = choice.finish_reason or finish
+    assert (content, finish) == ("Checking.\n", "tool_calls")
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Oslo", "unit": "celsius"})]
+
+
+def test_tool_choice_auto_leaves_a_hermes_models_plain_answer_as_content(hermes):
+    client, model = hermes
+    choice = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, max_tokens=20,
+                                            extra_body={"structured_outputs": {"regex": "It is sunny\\."}}).choices[0]
+    assert (choice.message.content, choice.message.tool_calls, choice.finish_reason) == ("It is sunny.", None, "stop")
+
+
+def test_the_tools_reach_a_hermes_models_prompt(hermes):
+    client, model = hermes
+    with_tools = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, max_tokens=1,
+                                                extra_body={"structured_outputs": {"regex": "x"}})
+    without = client.chat.completions.create(model=model, messages=ASK, max_tokens=1)
+    assert with_tools.usage.prompt_tokens > without.usage.prompt_tokens + 40
 
 
 # ------------------------------------------------------------------ prompt logprobs
@@ -544,4 +626,7 @@ def test_a_logits_processor_the_worker_did_not_load_is_a_400_naming_it(client, m
     with pytest.raises(openai.BadRequestError) as refused:
         client.completions.create(model=model, prompt=PROMPT, max_tokens=2,
                                   extra_body={"logits_processors": ["nope"]})
-    assert "logits_processors: 'nope' is not loaded" in refused.value.body["message"]
+    body = refused.value.body
+    assert body["message"].startswith("logits_processors[0]: 'nope' is not loaded on the workers (loaded: "
+                                      "length_temperature")
+    assert body["param"] == "logits_processors"

@@ -119,6 +119,28 @@ def test_tool_calls_and_tool_turns_of_the_history_reach_the_chat_template(smollm
         "user: Weather in Oslo?assistant: [call call_1 get_weather Oslo]tool: 12 C(answers call_1)")
 
 
+def test_the_tools_of_a_chat_reach_the_chat_template_in_openais_form(smollm_tokenizer):
+    from transformers import PreTrainedTokenizerFast
+    template = ("{% for t in tools or [] %}<{{ t.type }} {{ t.function.name }}: {{ t.function.description }} "
+                "{{ t.function.parameters.required | join(',') }}>{% endfor %}"
+                "{% for m in messages %}{{ m.content }}{% endfor %}")
+    templated = PreTrainedTokenizerFast(tokenizer_object=smollm_tokenizer.backend_tokenizer, chat_template=template)
+    chat = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="Weather?")], tools=[pb.ChatTool(
+        name="get_weather", description="Today's weather",
+        parameters_json='{"type": "object", "required": ["city", "unit"]}')])
+    prepared = prepare_generate(pb.GenerateRequest(chat=chat, params=pb.SamplingParameters(max_tokens=4)),
+                                served(templated, max_model_len=512))
+    assert templated.decode(prepared.prompt_token_ids) == "<function get_weather: Today's weather city,unit>Weather?"
+
+
+def test_a_tool_whose_parameters_are_not_json_is_invalid_naming_it(tokenizer):
+    chat = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="Hi")],
+                           tools=[pb.ChatTool(name="f", parameters_json="{not json")])
+    with pytest.raises(ApiError, match=r"^chat.tools\[0\].parameters_json is not JSON") as refused:
+        prepare_generate(pb.GenerateRequest(chat=chat, params=pb.SamplingParameters(max_tokens=4)), served(tokenizer))
+    assert refused.value.field == "chat.tools[0].parameters_json"
+
+
 # Structured outputs
 
 def test_a_structured_output_for_a_model_without_a_tokenizer_is_invalid_naming_it():
@@ -135,3 +157,22 @@ def test_a_constraint_that_does_not_compile_names_its_field(tokenizer):
     with pytest.raises(ApiError, match=r"^params.structured_output.regex does not compile: ") as refused:
         prepare_generate(request, served(tokenizer))
     assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+# Custom logits processors
+
+def test_a_logits_processor_no_worker_loaded_is_invalid_naming_it_and_those_loaded():
+    request = token_ids(4, max_tokens=4, logits_processors=["length_temperature", "nope"])
+    model = ServedModel(("smollm2",), 64, vocab_size=49152, tokenizer=None,
+                        logits_processors=frozenset({"length_temperature"}))
+    with pytest.raises(ApiError, match=r"^logits_processors\[1\]: 'nope' is not loaded on the workers "
+                                       r"\(loaded: length_temperature;") as refused:
+        prepare_generate(request, model)
+    assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT and refused.value.field == "logits_processors"
+
+
+def test_a_logits_processor_every_worker_loaded_is_passed_on():
+    request = token_ids(4, max_tokens=4, logits_processors=["length_temperature"])
+    model = ServedModel(("smollm2",), 64, vocab_size=49152, tokenizer=None,
+                        logits_processors=frozenset({"length_temperature"}))
+    assert list(prepare_generate(request, model).worker_params.logits_processors) == ["length_temperature"]

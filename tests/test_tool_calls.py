@@ -5,6 +5,7 @@ import json
 import pytest
 
 from router.tool_calls import StreamedCalls, ToolCallError, tool_calling
+from router.tool_syntax import HermesSyntax, Llama3JsonSyntax
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": WEATHER}},
@@ -47,8 +48,6 @@ def test_no_tools_or_tool_choice_none_calls_nothing(body):
 
 
 @pytest.mark.parametrize("body,param,words", [
-    ({"tools": TOOLS}, "tool_choice", "auto"),
-    ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice", "required"),
     ({"tools": TOOLS, "tool_choice": named("stocks")}, "tool_choice", "not among the tools"),
     ({"tools": [{"type": "function"}], "tool_choice": "required"}, "tools[0]", "name"),
     ({"tools": [], "tool_choice": "required"}, "tools", "non-empty"),
@@ -74,3 +73,94 @@ def test_a_streamed_required_call_is_sent_whole_when_its_choice_ends():
     assert calls.delta(0, '{"name": "time", ', False) is None
     [call] = calls.delta(0, '"arguments": {}}', True)["tool_calls"]
     assert call["function"] == {"name": "time", "arguments": "{}"} and call["index"] == 0
+
+
+def test_the_tools_are_shown_to_the_template_in_openais_form_unless_tool_choice_is_none():
+    shown = tool_calling({"tools": TOOLS, "tool_choice": "required"}).tools
+    assert [(t.name, json.loads(t.parameters_json) if t.parameters_json else None) for t in shown] == [
+        ("weather", WEATHER), ("time", None)]
+    assert tool_calling({"tools": TOOLS, "tool_choice": "none"}) is None
+
+
+# ------------------------------------------------------------------ tool_choice "auto"
+
+HERMES_TEMPLATE = "{% for t in tools %}<tools>{{ t | tojson }}</tools>{% endfor %} answer in <tool_call> tags"
+LLAMA3_TEMPLATE = "{{- 'Environment: ipython' }}{% for m in messages %}{{ m.content }}{% endfor %}"
+
+
+def auto(template: str, **body):
+    return tool_calling({"tools": TOOLS, **body}).with_syntax(template, "m")
+
+
+@pytest.mark.parametrize("body", [{}, {"tool_choice": "auto"}], ids=["default", "auto"])
+def test_auto_takes_the_syntax_the_chat_template_names_and_constrains_nothing(body):
+    calling = auto(HERMES_TEMPLATE, **body)
+    assert calling.auto and isinstance(calling.syntax, HermesSyntax) and calling.constraint() is None
+    assert isinstance(auto(LLAMA3_TEMPLATE).syntax, Llama3JsonSyntax)
+
+
+def test_auto_on_a_template_of_no_known_syntax_is_refused_naming_the_known_ones():
+    with pytest.raises(ToolCallError, match=r"chat template of m is of no family .*hermes: .*llama3_json: "
+                                            r".*send tool_choice \"required\"") as refused:
+        auto("{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert refused.value.param == "tool_choice"
+
+
+def test_hermes_blocks_become_calls_and_the_text_around_them_content():
+    text = 'Let me look.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n' \
+           '<tool_call>{"name": "time", "arguments": {}}</tool_call>'
+    content, calls = auto(HERMES_TEMPLATE).split(text)
+    assert content == "Let me look.\n\n"
+    assert [c["function"] for c in calls] == [{"name": "weather", "arguments": '{"city": "Oslo"}'},
+                                              {"name": "time", "arguments": "{}"}]
+    assert all(c["id"].startswith("call_") and c["type"] == "function" for c in calls)
+
+
+@pytest.mark.parametrize("text", [
+    '<tool_call>{"name": "stocks", "arguments": {}}</tool_call>',          # not among the tools
+    '<tool_call>{"name": "weather", "arguments": {"city": "Os</tool_call>',  # not JSON
+    '<tool_call>{"name": "weather", "arguments": [1]}</tool_call>',         # arguments not an object
+    "It is sunny in Oslo.",
+], ids=["unknown-tool", "broken-json", "array-arguments", "plain-text"])
+def test_hermes_output_that_is_not_clearly_a_call_is_all_content(text):
+    assert auto(HERMES_TEMPLATE).split(text) == (text, [])
+
+
+def test_an_unclosed_last_hermes_block_still_counts_as_a_call():
+    _, [call] = auto(HERMES_TEMPLATE).split('<tool_call>{"name": "time", "arguments": {}}')
+    assert call["function"]["name"] == "time"
+
+
+def test_llama3_json_calls_with_parameters_and_a_python_tag_become_calls():
+    calling = auto(LLAMA3_TEMPLATE)
+    content, calls = calling.split('<|python_tag|>{"name": "weather", "parameters": {"city": "Oslo"}}; '
+                                   '{"name": "time", "parameters": {}}')
+    assert content is None and [c["function"]["name"] for c in calls] == ["weather", "time"]
+    assert calling.split("The weather is fine.") == ("The weather is fine.", [])
+
+
+def stream(calling, pieces: list[str]) -> tuple[list[dict], bool]:
+    calls = StreamedCalls(calling, n=1)
+    deltas = [calls.delta(0, piece, finished=i == len(pieces) - 1) for i, piece in enumerate(pieces)]
+    return [d for d in deltas if d is not None], calls.call_made(0)
+
+
+def test_streamed_hermes_text_flows_as_content_and_a_call_goes_whole_at_the_end():
+    deltas, made = stream(auto(HERMES_TEMPLATE), ["Checking", " now. <tool", '_call>{"name": "time", ',
+                                                   '"arguments": {}}</tool_call>'])
+    assert deltas[0] == {"content": "Checking"} and deltas[1] == {"content": " now. "}
+    [call] = deltas[2]["tool_calls"]
+    assert call["index"] == 0 and call["function"] == {"name": "time", "arguments": "{}"} and made
+    assert "".join(d.get("content", "") for d in deltas) == "Checking now. "
+
+
+def test_streamed_text_held_back_as_a_possible_tag_is_sent_when_it_turns_out_text():
+    deltas, made = stream(auto(HERMES_TEMPLATE), ["a <", "b", " c"])
+    assert "".join(d["content"] for d in deltas) == "a <b c" and not made
+
+
+def test_a_streamed_llama3_json_call_is_held_until_the_end():
+    deltas, made = stream(auto(LLAMA3_TEMPLATE), ['{"name": "time", ', '"parameters": {}}'])
+    assert len(deltas) == 1 and deltas[0]["tool_calls"][0]["function"]["name"] == "time" and made
+    deltas, made = stream(auto(LLAMA3_TEMPLATE), ["Hello", " there"])
+    assert deltas == [{"content": "Hello"}, {"content": " there"}] and not made

@@ -68,7 +68,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             eos_token_ids=sorted(e.eos_token_ids), tensor_parallel_size=e.config.tensor_parallel_size,
             prefix_caching=e.config.enable_prefix_caching,
             max_loras=e.config.max_loras if e.lora else 0, max_lora_rank=e.config.max_lora_rank if e.lora else 0,
-            kv_cache_dtype=self.metrics.setup.kv_cache_dtype, quantization=self.metrics.setup.quantization)
+            kv_cache_dtype=self.metrics.setup.kv_cache_dtype, quantization=self.metrics.setup.quantization,
+            logits_processors=sorted(e.logits_processors))
         log.info("reading the tokenizer of %s, for the routers", e.source.name)
         tokenizer = e.tokenizer
         if tokenizer is not None:
