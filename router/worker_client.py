@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -87,7 +86,10 @@ class WorkerClient:
         self._channel: grpc.aio.Channel | None = None
         self._stub: worker_pb2_grpc.WorkerStub | None = None
         self._lora_loads: dict[str, asyncio.Task] = {}     # adapter name -> its load in progress
-        self._lora_loaded: dict[str, float] = {}           # adapter name -> when a load succeeded
+        # Adapter name -> the count of load reports received when its load succeeded: a report
+        # taken before the load finished may still arrive after it, without the adapter.
+        self._lora_loaded: dict[str, int] = {}
+        self._reports = 0
         self._call: grpc.aio.StreamStreamCall | None = None
         self._reader: asyncio.Task | None = None
         self._closed = asyncio.Event()
@@ -126,15 +128,16 @@ class WorkerClient:
 
     def holds_lora(self, name: str) -> bool:
         """Whether the worker holds the adapter: in its latest report, or loaded by this router
-        so recently that no report could say so yet."""
+        so recently that no report taken after the load has come (the one taken while it
+        loaded may arrive after it, so the second report since says for sure)."""
         loaded = self._lora_loaded.get(name)
-        return name in self.lora_adapters() or (loaded is not None and time.monotonic() - loaded < 2.0)
+        return name in self.lora_adapters() or (loaded is not None and self._reports - loaded < 2)
 
     async def load_lora(self, name: str, path: str, timeout_s: float = 300.0) -> worker_pb2.LoRAAdapter:
         """Has the worker load the adapter (grpc.aio.AioRpcError on refusal)."""
         adapter = await self._stub.LoadLoRAAdapter(
             worker_pb2.LoadLoRAAdapterRequest(lora_name=name, lora_path=path), timeout=timeout_s)
-        self._lora_loaded[name] = time.monotonic()
+        self._lora_loaded[name] = self._reports
         return adapter
 
     async def unload_lora(self, name: str, timeout_s: float = 600.0) -> None:
@@ -289,6 +292,7 @@ class WorkerClient:
                 self._deliver(event.request_id, event)
         elif kind == "load":
             self.load = message.load
+            self._reports += 1
             self._draining |= message.load.draining
             if self._on_load is not None:
                 self._on_load(self)

@@ -180,6 +180,33 @@ def test_unload_waits_for_the_adapters_running_requests(workers, adapters, expec
     asyncio.run(scenario())
 
 
+def test_an_unload_its_caller_gives_up_on_leaves_the_adapter_serving(workers, adapters, expected):
+    """The worker's unload waits for the adapter's running request; a caller whose deadline
+    passes meanwhile cancels it, and the adapter takes new requests again."""
+    from common.pb import worker_pb2, worker_pb2_grpc
+
+    async def scenario():
+        async with running_router(workers["holder"], workers["spare"]) as router, \
+                grpc.aio.insecure_channel(router.address) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            await stub.LoadLoRAAdapter(pb.LoadLoRAAdapterRequest(lora_name="kept", lora_path=adapters["poet"][0]))
+            long = pb.GenerateRequest(text=PROMPTS[0], lora_name="kept", params=pb.SamplingParameters(
+                temperature=0.0, max_tokens=LONG, ignore_eos=True))
+            running = asyncio.create_task(tokens(stub, long))
+            while not (busy := [w for w in router.fleet.workers.values()
+                                if any(a.num_requests for a in w.lora_adapters().values() if a.name == "kept")]):
+                await asyncio.sleep(0.05)
+            async with grpc.aio.insecure_channel(busy[0].address) as worker_channel:
+                with pytest.raises(grpc.aio.AioRpcError) as gave_up:
+                    await worker_pb2_grpc.WorkerStub(worker_channel).UnloadLoRAAdapter(
+                        worker_pb2.UnloadLoRAAdapterRequest(lora_name="kept"), timeout=0.3)
+            assert gave_up.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert len(await running) == LONG
+            again = await tokens(stub, greedy(PROMPTS[0], lora_name="kept"))      # the adapter's, as peft's
+            assert len(again) == MAX_TOKENS and again == expected["poet", PROMPTS[0]][:MAX_TOKENS]
+    asyncio.run(scenario())
+
+
 def test_loading_a_broken_adapter_is_invalid_argument_naming_the_file(workers, tmp_path):
     (tmp_path / "adapter_config.json").write_text("{not json")
 

@@ -112,8 +112,12 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         if adapter is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"LoRA adapter {name!r} is not loaded")
         await self.loop.ask(lambda: setattr(adapter, "unloading", True))   # new Submits naming it fail
-        while await self.loop.ask(lambda: engine.lora_in_use(name)):
-            await asyncio.sleep(0.05)
+        try:
+            while await self.loop.ask(lambda: engine.lora_in_use(name)):
+                await asyncio.sleep(0.05)
+        except asyncio.CancelledError:      # the caller gave up (its deadline): the adapter serves on
+            self.loop.call(lambda: setattr(adapter, "unloading", False))
+            raise
         # Unless a load replaced it meanwhile (its own entry then, not this one).
         await self.loop.ask(lambda: engine.lora.get(name) is adapter and engine.remove_lora(name))
         log.info("LoRA adapter %r unloaded", name)
