@@ -58,7 +58,7 @@ ROUTER_FINISH_REASONS = ("stop", "length", "abort", "cancelled", "error")
 ROUTER_REJECT_REASONS = ("invalid", "overloaded", "unavailable", "not_found")
 # Why the router itself takes a request off a worker's GPU (router.preemption): for a more
 # urgent one.
-ROUTER_SWAP_REASONS = ("priority",)
+ROUTER_SWAP_REASONS = ("priority", "slow_reader")
 
 
 class _RequestMetrics:

@@ -125,6 +125,14 @@ def _serve_parser() -> argparse.ArgumentParser:
     router.add_argument("--migrate-on-preemption", action=argparse.BooleanOptionalAction,
                         default=True, help="move a request preempted for recompute to a worker "
                                            "with clearly more free KV blocks")
+    router.add_argument("--slow-reader-timeout", type=float, default=10.0,
+                        help="seconds a client may leave the next response untaken (its stream "
+                             "backed up) while its request holds a GPU before the request is "
+                             "swapped out, to run again once the client has read what waited "
+                             "(0: never)")
+    router.add_argument("--slow-reader-backlog", type=int, default=1024,
+                        help="swap such a request out sooner, once this many token messages wait "
+                             "behind its client")
     router.add_argument("--preempt-for-priority", action=argparse.BooleanOptionalAction,
                         default=True, help="when a request fits no worker but is more urgent (a "
                                            "lower priority value) than running ones, take the "
@@ -226,7 +234,8 @@ def _router_config(args: argparse.Namespace, workers: Sequence[str]):
                                   max_concurrent_requests=args.max_concurrent_requests,
                                   max_queue_len=args.max_queue_len,
                                   max_wait_s=args.max_queue_wait),
-        run=RunConfig(migrate_on_preemption=args.migrate_on_preemption),
+        run=RunConfig(migrate_on_preemption=args.migrate_on_preemption, slow_reader_s=args.slow_reader_timeout,
+                      slow_reader_backlog=args.slow_reader_backlog),
         preemption=PreemptionConfig(enabled=args.preempt_for_priority,
                                     min_run_s=args.preemption_min_run),
         fleet=FleetConfig(silence_timeout_s=args.worker_timeout, worker_tls=_worker_client_tls(args)),

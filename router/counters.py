@@ -45,6 +45,8 @@ class RouterCounters:
     migrations: int = 0             # choices moved by the router's own choice after a preemption
     swap_outs_priority: int = 0     # choices the router took off a GPU for a more urgent request
     swap_ins_priority: int = 0      # of those, choices that run again
+    swap_outs_slow_reader: int = 0  # choices swapped out while their client did not read
+    swap_ins_slow_reader: int = 0   # of those, choices that run again
     workers_lost: int = 0           # worker sessions that ended while the worker was in use
     # The Prometheus series, once the model's name is known; None before.
     metrics: RouterMetrics | None = field(default=None, repr=False, compare=False)

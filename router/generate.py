@@ -63,12 +63,23 @@ _FINISH_REASONS = {worker_pb2.FINISH_REASON_STOP: pb.FINISH_REASON_STOP,
 _MOVE_EVENTS = {"redispatches": "redispatched", "migrations": "migrated"}
 
 
+# Why the router took a request off its GPU: for a more urgent one, or because its client
+# stopped reading its stream.
+SLOW_READER = "slow_reader"
+
+
 @dataclass(frozen=True)
 class RunConfig:
     max_moves_per_choice: int = 3       # re-dispatches and migrations; then UNAVAILABLE
     migrate_on_preemption: bool = True
     # A migration target needs free blocks >= what the choice needs + this × the source's free.
     migration_free_ratio: float = 2.0
+    # A client that has not taken the next response for this long (its stream is backed up:
+    # gRPC flow control, or the HTTP response buffer) while its request holds the GPU has the
+    # request swapped out until it has read what was waiting; 0: never.
+    slow_reader_s: float = 10.0
+    # ... or sooner, once this many worker messages (about one token each) wait behind it.
+    slow_reader_backlog: int = 1024
 
 
 @dataclass(frozen=True)
@@ -84,6 +95,7 @@ class _Out:
     """A request router.preemption took off its worker's GPU, until it runs again."""
 
     returning: asyncio.Future[None]  # admission's wait for room
+    reason: str = PRIORITY               # or SLOW_READER: why it is out
     since: float = field(default_factory=time.monotonic)
 
 
@@ -129,6 +141,10 @@ class GenerateRun:
                                 on_gpu=lambda: all(c.on_gpu for c in self._choices if not c.finished),
                                 swap_out=self._swap_out)
         self._out: _Out | None = None
+        # While a response waits for its client to take it: since when (None: it was taken),
+        # and the event set once the client has taken every response waiting.
+        self._blocked_since: float | None = None
+        self._caught_up = asyncio.Event()
         tokenizer = fleet.model.tokenizer
         self._tokenizer = tokenizer
         self._choices = [
@@ -153,6 +169,7 @@ class GenerateRun:
     async def responses(self) -> AsyncIterator[pb.GenerateResponse]:
         """The request's stream: a first message with the prompt's length, then the choices'
         progress. Closing it early (client gone) aborts whatever still runs on workers."""
+        watcher: asyncio.Task | None = None
         try:
             yield pb.GenerateResponse(request_id=self.request.request_id, usage=pb.Usage(
                 prompt_tokens=len(self.request.prompt_token_ids)))
@@ -163,7 +180,10 @@ class GenerateRun:
                 self._dispatch(choice, worker)
             if self._preemption is not None:
                 self._preemption.add(self._running)
+            watcher = asyncio.create_task(self._watch_reader()) if self._config.slow_reader_s > 0 else None
             while not all(c.finished for c in self._choices):
+                if self._inbox.empty():
+                    self._caught_up.set()       # every response went out: a slow reader may return
                 batch = [await self._inbox.get()]
                 while not self._inbox.empty():
                     batch.append(self._inbox.get_nowait())
@@ -172,8 +192,12 @@ class GenerateRun:
                     self._handle(incoming, deltas)
                 response = self._response(deltas)
                 if response.choices or response.HasField("usage") or response.prompt_logprobs:
+                    self._blocked_since = time.monotonic()
                     yield response
+                    self._blocked_since = None
         finally:
+            if watcher is not None:
+                watcher.cancel()
             if self._preemption is not None:
                 self._preemption.discard(self._running)
             if self._out is not None:
@@ -313,12 +337,29 @@ class GenerateRun:
 
     # ---------------------------------------------------------------- router.preemption
 
-    def _swap_out(self, for_request: str) -> None:
-        """Takes the request off its worker's GPU for the more urgent `for_request` and
-        suspends its reservation (router.preemption). SwapOut keeps its KV in the worker's swap
-        space; where the worker reports too little of that, the choices are aborted instead, to
-        be computed again from their output on their return: a recompute the worker would run
-        by itself could take their blocks back before the urgent request got them."""
+    async def _watch_reader(self) -> None:
+        """Swaps the request out while its client does not read (RunConfig.slow_reader_s and
+        slow_reader_backlog), to run again once the client has taken what was waiting."""
+        while True:
+            await asyncio.sleep(min(0.1, self._config.slow_reader_s / 4))
+            since = self._blocked_since
+            if since is None or self._out is not None or not self._running.on_gpu():
+                continue
+            if (time.monotonic() - since >= self._config.slow_reader_s
+                    or self._inbox.qsize() >= self._config.slow_reader_backlog):
+                self._caught_up.clear()
+                self._swap_out(reason=SLOW_READER)
+
+    def _swap_out(self, for_request: str = "", reason: str = PRIORITY) -> None:
+        """Takes the request off its worker's GPU and suspends its reservation: for the more
+        urgent `for_request` (router.preemption), or while its client does not read
+        (SLOW_READER: it returns once the client has taken what was waiting, and admission has
+        room). SwapOut keeps its KV in the worker's swap space; where the worker reports too
+        little of that, the choices are aborted instead, to be computed again from their output
+        on their return: a recompute the worker would run by itself could take their blocks
+        back before the request it made room for got them."""
+        if self._out is not None:       # out already (its choices' PREEMPTED may not be read yet)
+            return
         home = self._fleet.workers.get(self._reservation.worker_id)
         live = [c for c in self._choices if not c.finished]
         block_size = self._fleet.model.block_size
@@ -331,19 +372,24 @@ class GenerateRun:
         for choice in live:
             if not swap:
                 self._park(choice)
-            self._counters.count(f"swap_outs_{PRIORITY}", "choice swapped out",
+            self._counters.count(f"swap_outs_{reason}", "choice swapped out",
                                  request_id=self.request.request_id, choice=choice.index,
                                  worker=self._reservation.worker_id, mode=mode,
                                  for_request=for_request)
             if self._span is not None:
                 self._span.add_event("swapped_out", {
                     "pagedserve.choice": choice.index, "pagedserve.worker": self._reservation.worker_id,
-                    "pagedserve.reason": PRIORITY, "pagedserve.preemption.mode": mode,
-                    "pagedserve.for_request": for_request})
+                    "pagedserve.reason": reason, "pagedserve.preemption.mode": mode}
+                    | ({"pagedserve.for_request": for_request} if for_request else {}))
         self._reservation.suspend()
-        returning = asyncio.ensure_future(self._reservation.resume(self._return_chooser(home)))
+        returning = asyncio.ensure_future(self._return(home, reason))
         returning.add_done_callback(lambda wait: self._inbox.put_nowait(_Returned(wait)))
-        self._out = _Out(returning)
+        self._out = _Out(returning, reason)
+
+    async def _return(self, home: WorkerClient | None, reason: str) -> None:
+        if reason == SLOW_READER:
+            await self._caught_up.wait()
+        await self._reservation.resume(self._return_chooser(home))
 
     def _return_chooser(self, home: WorkerClient | None) -> WorkerChooser:
         """Where the request runs again: the worker whose swap space holds its KV when that has
@@ -379,14 +425,14 @@ class GenerateRun:
             else:
                 target.swap_in([choice.dispatch_id])
                 how = "swap_in"
-            self._counters.count(f"swap_ins_{PRIORITY}", "choice runs again",
+            self._counters.count(f"swap_ins_{out.reason}", "choice runs again",
                                  request_id=self.request.request_id, choice=choice.index,
                                  worker=target.worker_id, how=how,
                                  out_s=round(time.monotonic() - out.since, 3))
             if self._span is not None:
                 self._span.add_event("swapped_in", {
                     "pagedserve.choice": choice.index, "pagedserve.worker": target.worker_id,
-                    "pagedserve.reason": PRIORITY, "pagedserve.resume": how})
+                    "pagedserve.reason": out.reason, "pagedserve.resume": how})
         self._running.running_since = time.monotonic()
 
     def _redispatch(self, choice: _Choice, reason: str) -> None:
