@@ -309,6 +309,8 @@ class RouterMetrics:
                             ["model_name", "mode"], registry=registry)
         self._preempted = {mode: preempted.labels(model_name, mode) for mode in PREEMPTION_MODES}
         self._migrations = counter("migrations", "Preempted requests the router moved to another worker.")
+        self._rebalances = counter("rebalances", "Running requests the router moved off a worker with "
+                                   "requests waiting to one with room.")
         swap_outs = Counter(f"{ROUTER}_swap_outs", "Requests (choices) the router took off a worker's GPU "
                             "(swapped out, or aborted to be recomputed where swap space was short), by why.",
                             ["model_name", "reason"], registry=registry)
@@ -349,6 +351,9 @@ class RouterMetrics:
 
     def migrated(self) -> None:
         self._migrations.inc()
+
+    def rebalanced(self) -> None:
+        self._rebalances.inc()
 
     def swapped_out(self, reason: str) -> None:
         """`reason` is one of ROUTER_SWAP_REASONS."""

@@ -142,6 +142,13 @@ def _serve_parser() -> argparse.ArgumentParser:
     router.add_argument("--preemption-min-run", type=float, default=1.0,
                         help="seconds a request runs after its admission, or its return, before "
                              "it may be taken off a GPU for priority again (against thrash)")
+    router.add_argument("--rebalance", action=argparse.BooleanOptionalAction, default=True,
+                        help="move running requests off a worker whose requests wait to one with "
+                             "room (recompute there), the cheapest to recompute first")
+    router.add_argument("--rebalance-after", type=float, default=2.0,
+                        help="seconds both the waiting and the room must last before a move")
+    router.add_argument("--rebalance-interval", type=float, default=30.0,
+                        help="a request moves at most once per this many seconds")
     router.add_argument("--worker-timeout", type=float, default=5.0,
                         help="seconds without a message from a worker (it reports its load 5 "
                              "times a second) after which it counts as lost: a frozen worker's "
@@ -225,6 +232,7 @@ def _router_config(args: argparse.Namespace, workers: Sequence[str]):
     from router.fleet import FleetConfig
     from router.generate import RunConfig
     from router.preemption import PreemptionConfig
+    from router.rebalance import RebalanceConfig
     from router.server import RouterConfig
 
     return RouterConfig(
@@ -238,6 +246,8 @@ def _router_config(args: argparse.Namespace, workers: Sequence[str]):
                       slow_reader_backlog=args.slow_reader_backlog),
         preemption=PreemptionConfig(enabled=args.preempt_for_priority,
                                     min_run_s=args.preemption_min_run),
+        rebalance=RebalanceConfig(enabled=args.rebalance, hold_s=args.rebalance_after,
+                                  interval_s=args.rebalance_interval),
         fleet=FleetConfig(silence_timeout_s=args.worker_timeout, worker_tls=_worker_client_tls(args)),
         discovery_refresh_s=args.discovery_interval,
         shutdown_grace_s=args.shutdown_grace,

@@ -25,6 +25,7 @@ _SERIES: dict[str, Callable[[RouterMetrics], None]] = {
     **{f"swap_outs_{reason}": (lambda m, r=reason: m.swapped_out(r)) for reason in ROUTER_SWAP_REASONS},
     **{f"swap_ins_{reason}": (lambda m, r=reason: m.swapped_in(r)) for reason in ROUTER_SWAP_REASONS},
     "migrations": RouterMetrics.migrated,
+    "rebalances": RouterMetrics.rebalanced,
     "redispatches": RouterMetrics.redispatched,
     "workers_lost": RouterMetrics.worker_lost,
 }
@@ -43,6 +44,7 @@ class RouterCounters:
     preemptions_recompute: int = 0  # PREEMPTED events with mode RECOMPUTE (including drains)
     redispatches: int = 0           # choices resubmitted after their worker was lost or drained
     migrations: int = 0             # choices moved by the router's own choice after a preemption
+    rebalances: int = 0             # running choices moved off a worker with a queue (router.rebalance)
     swap_outs_priority: int = 0     # choices the router took off a GPU for a more urgent request
     swap_ins_priority: int = 0      # of those, choices that run again
     swap_outs_slow_reader: int = 0  # choices swapped out while their client did not read

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from router.admission import Admission, WorkerBudget, WorkerChooser
 from router.balancer import BalancerConfig, LoRAPlacement, choose_worker
+from router.rebalance import WorkerLoad
 from router.counters import RouterCounters
 from router.tokenizer import RouterTokenizer, tokenizer_for
 from common.tls import ClientTls
@@ -120,6 +121,11 @@ class Fleet:
             while not predicate(self):
                 await self._changed.wait()
         await asyncio.wait_for(until(), timeout_s)
+
+    def worker_loads(self) -> list[WorkerLoad]:
+        """Each connected worker's latest load report, as router.rebalance weighs it."""
+        return [WorkerLoad(c.worker_id, c.load.num_waiting, c.load.free_blocks, c.accepting)
+                for c in self.workers.values() if c.load is not None]
 
     def lora_adapters(self) -> dict[str, tuple[str, list[str]]]:
         """Every LoRA adapter a worker holds or this router loaded: name -> (path, the ids of

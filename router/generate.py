@@ -52,6 +52,7 @@ from router.detokenizer import TextStream
 from router.errors import ApiError, invalid_argument, unavailable
 from router.fleet import Fleet
 from router.preemption import PRIORITY, PriorityPreemption, Running
+from router.rebalance import Movable, Rebalancer
 from router.requests import PreparedRequest
 from router.worker_client import Incoming, WorkerClient, WorkerLost
 
@@ -60,7 +61,7 @@ log = logging.getLogger("pagedserve.router")
 _FINISH_REASONS = {worker_pb2.FINISH_REASON_STOP: pb.FINISH_REASON_STOP,
                    worker_pb2.FINISH_REASON_LENGTH: pb.FINISH_REASON_LENGTH}
 # The span events of the request's span for a choice's moves, by counter.
-_MOVE_EVENTS = {"redispatches": "redispatched", "migrations": "migrated"}
+_MOVE_EVENTS = {"redispatches": "redispatched", "migrations": "migrated", "rebalances": "rebalanced"}
 
 
 # Why the router took a request off its GPU: for a more urgent one, or because its client
@@ -124,9 +125,10 @@ class GenerateRun:
     def __init__(self, request: PreparedRequest, reservation: Reservation, fleet: Fleet,
                  counters: RouterCounters, config: RunConfig,
                  next_dispatch_id: Callable[[], str], span: Span | None = None,
-                 preemption: PriorityPreemption | None = None) -> None:
+                 preemption: PriorityPreemption | None = None, rebalancer: Rebalancer | None = None) -> None:
         """`span`: the request's span, parent of the dispatch spans (None: not traced);
-        `preemption`: the policy that may take it off its GPU for a more urgent one."""
+        `preemption`: the policy that may take it off its GPU for a more urgent one;
+        `rebalancer`: the one that may move it off a worker with a queue."""
         self.request = request
         self._reservation = reservation
         self._fleet = fleet
@@ -141,6 +143,10 @@ class GenerateRun:
                                 on_gpu=lambda: all(c.on_gpu for c in self._choices if not c.finished),
                                 swap_out=self._swap_out)
         self._out: _Out | None = None
+        self._rebalancer = rebalancer
+        self._movable = Movable(request.request_id, reservation, movable=self._can_move,
+                                recompute_tokens=lambda: len(request.prompt_token_ids) + self.completion_tokens,
+                                move_to=self._rebalance_to)
         # While a response waits for its client to take it: since when (None: it was taken),
         # and the event set once the client has taken every response waiting.
         self._blocked_since: float | None = None
@@ -180,6 +186,8 @@ class GenerateRun:
                 self._dispatch(choice, worker)
             if self._preemption is not None:
                 self._preemption.add(self._running)
+            if self._rebalancer is not None:
+                self._rebalancer.add(self._movable)
             watcher = asyncio.create_task(self._watch_reader()) if self._config.slow_reader_s > 0 else None
             while not all(c.finished for c in self._choices):
                 if self._inbox.empty():
@@ -200,6 +208,8 @@ class GenerateRun:
                 watcher.cancel()
             if self._preemption is not None:
                 self._preemption.discard(self._running)
+            if self._rebalancer is not None:
+                self._rebalancer.discard(self._movable)
             if self._out is not None:
                 self._out.returning.cancel()
             for choice in self._choices:
@@ -434,6 +444,23 @@ class GenerateRun:
                     "pagedserve.choice": choice.index, "pagedserve.worker": target.worker_id,
                     "pagedserve.reason": out.reason, "pagedserve.resume": how})
         self._running.running_since = time.monotonic()
+
+    # ---------------------------------------------------------------- router.rebalance
+
+    def _can_move(self) -> bool:
+        live = [c for c in self._choices if not c.finished]
+        return self._out is None and len(live) == 1 and live[0].on_gpu
+
+    def _rebalance_to(self, worker_id: str) -> bool:
+        """Moves the request's one live choice to `worker_id` (router.rebalance): recompute there."""
+        target = self._fleet.workers.get(worker_id)
+        if target is None or not target.accepting or (self.request.lora_name and not target.serves_lora):
+            return False
+        (choice,) = [c for c in self._choices if not c.finished]
+        source = choice.worker
+        self._reservation.move_to(worker_id)
+        self._move(choice, target, "rebalances", f"{source.worker_id} had requests waiting, {worker_id} room")
+        return True
 
     def _redispatch(self, choice: _Choice, reason: str) -> None:
         """Moves a choice its worker can no longer run; UNAVAILABLE when nowhere is left."""

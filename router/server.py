@@ -44,6 +44,7 @@ from router.generate import RunConfig
 from router.grpc_api import SERVICE_NAME, GrpcApi
 from router.openai_api import OpenAIApi
 from router.preemption import PreemptionConfig, PriorityPreemption
+from router.rebalance import RebalanceConfig, Rebalancer
 from router.service import GenerationService
 
 log = logging.getLogger("pagedserve.router")
@@ -64,6 +65,7 @@ class RouterConfig:
     fleet: FleetConfig = FleetConfig()
     run: RunConfig = RunConfig()
     preemption: PreemptionConfig = PreemptionConfig()
+    rebalance: RebalanceConfig = RebalanceConfig()
     max_request_bytes: int = MAX_REQUEST_BYTES
     discovery_refresh_s: float = 10.0
     shutdown_grace_s: float = 10.0  # how long running requests may finish on shutdown
@@ -96,9 +98,12 @@ class Router:
                            else lambda model: self._start_metrics(model.name))
         if config.served_model_names:
             self._start_metrics(config.served_model_names[0])
+        self.rebalancer = (Rebalancer(self.admission, self.fleet.worker_loads, config.rebalance)
+                           if config.rebalance.enabled else None)
         self.service = GenerationService(self.fleet, self.admission, self.counters,
                                          served_model_names=config.served_model_names,
-                                         run_config=config.run, preemption=self.preemption)
+                                         run_config=config.run, preemption=self.preemption,
+                                         rebalancer=self.rebalancer)
         self._discovery = Discovery(config.workers, self.fleet.update,
                                     refresh_s=config.discovery_refresh_s)
         self._health = health.aio.HealthServicer()
@@ -140,6 +145,8 @@ class Router:
                      extra={"address": f"{self.config.host}:{self.metrics_port}"})
         self._tasks = [asyncio.create_task(self._discovery.run(), name="discovery"),
                        asyncio.create_task(self._track_health(), name="health")]
+        if self.rebalancer is not None:
+            self._tasks.append(asyncio.create_task(self.rebalancer.run(), name="rebalance"))
         log.info("router listening", extra={"router": self.config.router_id,
                                             "address": f"{self.config.host}:{self.port}",
                                             "workers": ",".join(self.config.workers)})

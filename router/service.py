@@ -43,6 +43,7 @@ from router.errors import ApiError, invalid_argument, unavailable
 from router.fleet import Fleet
 from router.generate import GenerateRun, RunConfig
 from router.preemption import PriorityPreemption
+from router.rebalance import Rebalancer
 from router.lora_adapters import LoRAAdapters
 from router.requests import (
     PreparedRequest,
@@ -65,14 +66,16 @@ class GenerationService:
 
     def __init__(self, fleet: Fleet, admission: Admission, counters: RouterCounters, *,
                  served_model_names: Sequence[str] = (), run_config: RunConfig = RunConfig(),
-                 preemption: PriorityPreemption | None = None) -> None:
-        """`preemption`: the policy that may take requests off a GPU for more urgent ones."""
+                 preemption: PriorityPreemption | None = None, rebalancer: Rebalancer | None = None) -> None:
+        """`preemption`: the policy that may take requests off a GPU for more urgent ones;
+        `rebalancer`: the one that moves running requests off a worker with a queue."""
         self._fleet = fleet
         self._admission = admission
         self._counters = counters
         self._served_names = tuple(served_model_names)
         self._run_config = run_config
         self._preemption = preemption
+        self._rebalancer = rebalancer
         self._dispatch_ids = itertools.count()
         self._running: set[asyncio.Task] = set()   # the tasks streaming a Generate (gRPC or HTTP)
         self._closing = False
@@ -166,7 +169,7 @@ class GenerationService:
         observed.admitted(queue_s, len(prepared.prompt_token_ids))
 
         run = GenerateRun(prepared, reservation, self._fleet, self._counters, self._run_config,
-                          self._next_dispatch_id, observed.span, self._preemption)
+                          self._next_dispatch_id, observed.span, self._preemption, self._rebalancer)
         outcome, level, reason, error_text = "finished", logging.INFO, "error", None
         try:
             async with contextlib.aclosing(run.responses()) as responses:

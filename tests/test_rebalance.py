@@ -1,0 +1,141 @@
+"""router.rebalance: running requests move from a worker with a queue to one with room.
+
+The policy on its own (Rebalancer.check over made-up load reports and real admission
+reservations), then end to end: a router whose only worker holds a queue (two sequence slots,
+six requests), a second worker that joins, and the requests' greedy outputs, token for token
+as the engine run offline in this process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from test_service_e2e import greedy_request, read_stream
+
+from common.pb import generation_pb2_grpc
+from common.sampling_params import SamplingParams
+from router.admission import Admission, AdmissionConfig
+from router.fleet import FleetConfig
+from router.rebalance import Movable, RebalanceConfig, Rebalancer, WorkerLoad
+from router.server import Router, RouterConfig
+from worker_process import WorkerProcess, free_port
+
+CONFIG = RebalanceConfig(hold_s=1.0, interval_s=30.0)
+
+
+class Fleet:
+    """Two workers' load reports, as a test sets them, and admission budgets for them."""
+
+    def __init__(self, hot_waiting: int = 3, cold_free: int = 100) -> None:
+        self.loads = {"hot": WorkerLoad("hot", hot_waiting, 0, True), "cold": WorkerLoad("cold", 0, cold_free, True)}
+        self.admission = Admission(AdmissionConfig())
+        for worker_id in self.loads:
+            self.admission.set_worker(worker_id, 1000)
+        self.rebalancer = Rebalancer(self.admission, lambda: self.loads.values(), CONFIG)
+        self.moved: list[tuple[str, str]] = []
+
+    async def running(self, request_id: str, tokens: int, worker_id: str = "hot") -> Movable:
+        reservation = await self.admission.reserve(tokens, lambda fits: next(b for b in fits if b.worker_id == worker_id))
+
+        def move_to(target: str) -> bool:
+            self.moved.append((request_id, target))
+            return True
+        movable = Movable(request_id, reservation, movable=lambda: True, recompute_tokens=lambda: tokens,
+                          move_to=move_to)
+        self.rebalancer.add(movable)
+        return movable
+
+
+def test_the_cheapest_request_moves_once_the_queue_and_the_room_have_lasted():
+    async def scenario():
+        fleet = Fleet()
+        await fleet.running("long", 300)
+        await fleet.running("short", 40)
+        assert fleet.rebalancer.check(0.0) is None          # seen now: not yet lasted
+        assert fleet.rebalancer.check(0.5) is None
+        moved = fleet.rebalancer.check(1.0)
+        return moved.request_id, fleet.moved
+    assert asyncio.run(scenario()) == ("short", [("short", "cold")])
+
+
+def test_nothing_moves_while_the_busy_worker_has_no_queue():
+    async def scenario():
+        fleet = Fleet(hot_waiting=0)
+        await fleet.running("r", 40)
+        return [fleet.rebalancer.check(t) for t in (0.0, 1.0, 2.0)]
+    assert asyncio.run(scenario()) == [None, None, None]
+
+
+def test_a_moved_request_does_not_move_again_within_the_interval():
+    async def scenario():
+        fleet = Fleet()
+        await fleet.running("only", 40)
+        fleet.rebalancer.check(0.0)
+        first = fleet.rebalancer.check(1.0)
+        # Both workers still look the same (the reports lag): the target must show room again.
+        again = [fleet.rebalancer.check(t) for t in (1.5, 2.5, 3.5)]
+        return first.request_id, again
+    assert asyncio.run(scenario()) == ("only", [None, None, None])
+
+
+def test_a_request_that_does_not_fit_the_targets_budget_stays():
+    async def scenario():
+        fleet = Fleet()
+        await fleet.running("big", 800)
+        await fleet.running("cold-resident", 400, worker_id="cold")   # 600 of 1000 left there
+        fleet.rebalancer.check(0.0)
+        return fleet.rebalancer.check(1.0)
+    assert asyncio.run(scenario()) is None
+
+
+# ------------------------------------------------------------------------------ end to end
+
+PROMPTS = ["Once upon a time,", "The capital of France is", "def fibonacci(n):", "Count to ten:",
+           "The quick brown fox", "Water boils at"]
+MAX_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def expected(make_engine, smollm_tokenizer) -> list[list[int]]:
+    from helpers import generate
+    outputs = generate(make_engine(), [smollm_tokenizer.encode(p) for p in PROMPTS],
+                       SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    return [outputs[f"r{i}"][0] for i in range(len(PROMPTS))]
+
+
+WORKER_FLAGS = ["--model", "default", "--device", "cpu", "--max-num-seqs", "2", "--metrics-port", "0"]
+
+
+@pytest.mark.slow
+def test_requests_queued_on_one_worker_move_to_a_worker_that_joins_and_finish_unchanged(expected):
+    busy, joining = (WorkerProcess(WORKER_FLAGS + ["--worker-id", name], port=free_port()) for name in ("busy", "new"))
+
+    async def scenario():
+        router = Router(RouterConfig(workers=[busy.address, joining.address], host="127.0.0.1", port=0,
+                                     fleet=FleetConfig(backoff_initial_s=0.2), shutdown_grace_s=1.0,
+                                     rebalance=RebalanceConfig(hold_s=0.5, check_s=0.2)))
+        await router.start()
+        try:
+            await router.fleet.wait_for(lambda fleet: len(fleet.accepting()) == 1, 60)
+            async with grpc.aio.insecure_channel(router.address) as channel:
+                stub = generation_pb2_grpc.GenerationStub(channel)
+                streams = [asyncio.create_task(read_stream(stub.Generate(
+                    greedy_request(p, MAX_TOKENS, ignore_eos=True)))) for p in PROMPTS]
+                while not any(w.load is not None and w.load.num_waiting for w in router.fleet.workers.values()):
+                    await asyncio.sleep(0.05)
+                joining.start()         # all six are on the busy worker now: two run, four wait
+                done = await asyncio.wait_for(asyncio.gather(*streams), 240)
+            return [s.token_ids for s in done], router.counters
+        finally:
+            await router.stop()
+
+    with busy:
+        try:
+            outputs, counters = asyncio.run(scenario())
+        finally:
+            if getattr(joining, "process", None) is not None:     # started by the scenario
+                joining.__exit__()
+    assert outputs == expected
+    assert counters.rebalances >= 1 and counters.redispatches == 0
