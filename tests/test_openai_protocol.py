@@ -148,7 +148,6 @@ def test_malformed_chat_message_is_400_naming_it(served, message, param):
 
 @pytest.mark.parametrize("extra,param", [
     ({"functions": [{"name": "f"}]}, "functions"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),    # "auto"
     ({"tool_choice": "required"}, "tool_choice"),
 ])
 def test_unsupported_openai_feature_is_refused_not_ignored(served, extra, param):
