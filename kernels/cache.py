@@ -10,8 +10,10 @@ as they are and takes no scales.
 
 import torch
 
-FP8_KV_DTYPE = torch.float8_e4m3fn
-FP8_KV_MAX = torch.finfo(FP8_KV_DTYPE).max
+from .fp8 import FP8_DTYPE, FP8_MAX
+
+# The float8 pool's element (e4m3, as the FP8 weights') and its largest value.
+FP8_KV_DTYPE, FP8_KV_MAX = FP8_DTYPE, FP8_MAX
 
 
 def is_fp8(cache: torch.Tensor) -> bool:

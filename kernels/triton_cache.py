@@ -4,7 +4,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .cache import FP8_KV_MAX, is_fp8
+from .fp8 import FP8_DTYPE, FP8_MAX
 
 
 @triton.jit
@@ -46,7 +46,7 @@ def write_kv_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tenso
     assert k_cache.stride(-1) == v_cache.stride(-1) == 1
     if num_tokens == 0:
         return
-    fp8 = is_fp8(k_cache)
+    fp8 = k_cache.dtype == FP8_DTYPE
     _write_kv_kernel[(num_tokens,)](
         key, value, k_cache, v_cache, slot_mapping,
         k_scale if fp8 else slot_mapping, v_scale if fp8 else slot_mapping,   # unread unless FP8
@@ -54,7 +54,7 @@ def write_kv_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tenso
         *k_cache.stride()[:3], *v_cache.stride()[:3],
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
-        BLOCK_D=triton.next_power_of_2(head_dim), FP8=fp8, FP8_MAX=FP8_KV_MAX)
+        BLOCK_D=triton.next_power_of_2(head_dim), FP8=fp8, FP8_MAX=FP8_MAX)
 
 
 @triton.jit
@@ -82,7 +82,7 @@ def copy_blocks_triton(caches: list[torch.Tensor], src_to_dst: torch.Tensor) -> 
     groups: dict[tuple, list[torch.Tensor]] = {}
     for cache in caches:
         assert cache.is_contiguous()
-        if is_fp8(cache):
+        if cache.dtype == FP8_DTYPE:
             cache = cache.view(torch.uint8)     # moved as bytes: nothing converts them
         groups.setdefault((cache.dtype, cache[0].numel()), []).append(cache)
     for (_, block_numel), group in groups.items():
