@@ -351,7 +351,8 @@ class GenerateRun:
         """Swaps the request out while its client does not read (RunConfig.slow_reader_s and
         slow_reader_backlog), to run again once the client has taken what was waiting."""
         while True:
-            await asyncio.sleep(min(0.1, self._config.slow_reader_s / 4))
+            # A wake-up a second per request at most: routers hold thousands of streams.
+            await asyncio.sleep(min(1.0, self._config.slow_reader_s / 4))
             since = self._blocked_since
             if since is None or self._out is not None or not self._running.on_gpu():
                 continue

@@ -219,6 +219,9 @@ def test_32_concurrent_streams_match_the_offline_engine(worker, reference, smoll
                 assert last.usage.total_tokens == prompt_tokens + len(stream.token_ids)
             assert router.counters.requests == 32
             assert router.admission.num_admitted == 0
+            # An evenly loaded fleet: no policy took a request off its GPU or moved one.
+            c = router.counters
+            assert (c.rebalances, c.swap_outs_priority, c.swap_outs_slow_reader, c.migrations) == (0, 0, 0, 0)
     asyncio.run(scenario())
 
 
