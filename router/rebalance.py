@@ -77,7 +77,6 @@ class Rebalancer:
         self._loads = loads
         self._running: set[Movable] = set()
         self._since: dict[str, _Since] = {}
-        self.moves = 0
 
     def add(self, movable: Movable) -> None:
         self._running.add(movable)
@@ -120,7 +119,6 @@ class Rebalancer:
                 source = movable.reservation.worker_id
                 if movable.move_to(target):
                     movable.moved_at = now
-                    self.moves += 1
                     self._since[target].room = None    # its next reports say whether room is left
                     log.info("rebalancing", extra={"request_id": movable.request_id, "source": source,
                                                    "target": target, "waiting": loads[source].waiting,

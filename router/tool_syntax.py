@@ -16,6 +16,7 @@ not clearly call.
 
 from __future__ import annotations
 
+import abc
 import json
 import re
 from dataclasses import dataclass
@@ -24,22 +25,23 @@ Call = tuple[str, str]      # (function name, arguments as JSON text)
 
 
 @dataclass(frozen=True)
-class ToolSyntax:
+class ToolSyntax(abc.ABC):
     name: str
     description: str
 
+    @abc.abstractmethod
     def matches(self, chat_template: str) -> bool:
-        raise NotImplementedError
+        """Whether a chat template is of this syntax's family."""
 
+    @abc.abstractmethod
     def split(self, text: str, tools: set[str]) -> tuple[str | None, list[Call]]:
         """(the text outside calls, or None where there is none; the calls). Calls only where
         every one parses; else (text, [])."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def streamable(self, text: str) -> int:
         """How many leading characters of an output so far are text whatever follows; what
         split(text) gives as content starts with them."""
-        raise NotImplementedError
 
 
 def _arguments(value: dict, tools: set[str], *keys: str) -> Call | None:
