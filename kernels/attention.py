@@ -81,6 +81,11 @@ def paged_attention_ref(
     return out.transpose(1, 2)[plan.q_valid].to(q.dtype)                         # [T, H, D]
 
 
+def gpu_head_dim_supported(head_dim: int) -> bool:
+    """The Triton kernels load a head whole, in one power-of-two tile of at least 16 lanes."""
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                     max_query_len: int, max_seq_len: int, scale: float,
                     plan: GatherPlan | None = None, k_scale: torch.Tensor | None = None,

@@ -284,7 +284,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
-    assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, "head_dim must be a power of two"
+    assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, f"head_dim {head_dim}: not a power of two from 16"
     assert num_heads % num_kv_heads == 0
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     cfg = config or AttentionConfig()
