@@ -31,7 +31,7 @@ from .triton_split_k import num_sms
 class AttentionConfig:
     """Tile shapes and launch parameters; `None` fields are picked from the batch."""
 
-    decode_block_n: int = 64
+    decode_block_n: int | None = None   # 64 keys a tile over a 16-bit pool, 128 over a float8 one
     decode_num_warps: int = 4
     decode_num_stages: int = 3
     num_splits: int | None = None
@@ -47,6 +47,9 @@ class AttentionConfig:
 _DECODE_PROGRAMS_PER_SM = 3
 # Below this, a split is too short to amortise its pipeline prologue and partial result.
 _MIN_TOKENS_PER_SPLIT = 256
+# A float8 tile of 128 keys holds the bytes a 16-bit tile of 64 does: with 64, half the bytes
+# are in flight and the decode kernel read a float8 pool 1.3-1.4x slower than a bf16 one (H200).
+_DECODE_BLOCK_N = {1: 128, 2: 64, 4: 64}
 
 
 @triton.jit
@@ -106,7 +109,8 @@ def _decode_kernel(out, part_out, part_lse, q, k_cache, v_cache, k_scale, v_scal
                    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
                    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                   SPLIT: tl.constexpr, SCALED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                   SPLIT: tl.constexpr, SCALED: tl.constexpr, Q_F16: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -129,6 +133,8 @@ def _decode_kernel(out, part_out, part_lse, q, k_cache, v_cache, k_scale, v_scal
     offs_d = tl.arange(0, HEAD_DIM)
     q_tile = tl.load(q + q_start * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                      mask=row_ok[:, None], other=0.0)
+    if Q_F16:       # see paged_attention_triton: float8 K/V then convert to float16
+        q_tile = q_tile.to(tl.float16)
     q_pos = tl.full([BLOCK_G], 0, tl.int32) + seq_len - 1
 
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
@@ -210,7 +216,7 @@ def _prefill_kernel(out, q, k_cache, v_cache, k_scale, v_scale, block_tables, se
                     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
                     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
                     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                    SCALED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                    SCALED: tl.constexpr, Q_F16: tl.constexpr, DOT_PRECISION: tl.constexpr):
     # Tiles run last-first: late tiles of a sequence attend to the most keys, and starting
     # the longest work first shortens the tail of the launch.
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -234,6 +240,8 @@ def _prefill_kernel(out, q, k_cache, v_cache, k_scale, v_scale, block_tables, se
     offs_d = tl.arange(0, HEAD_DIM)
     q_offs = (q_start + tok).to(tl.int64)[:, None] * stride_qt + heads[:, None] * stride_qh
     q_tile_v = tl.load(q + q_offs + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    if Q_F16:
+        q_tile_v = q_tile_v.to(tl.float16)
     q_pos = ctx_len + tok
 
     acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM], tl.float32)
@@ -299,6 +307,12 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return out
     pool_strides = (*k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0))
     scaled = k_scale is not None
+    # Over a float8 pool, 16-bit queries are taken as float16: e4m3 converts to float16 in one
+    # instruction per pair, to bfloat16 only through float32, and that conversion of every K/V
+    # tile cost more than the halved bytes saved (H200: 1.3x slower than a bf16 pool at 32k
+    # context; 0.93-1.08x with float16). Queries of a bfloat16 model beyond float16's range
+    # (65504) would overflow; real models' stay far below.
+    q_f16 = scaled and q.element_size() == 2
     scales = (k_scale, v_scale) if scaled else (seq_lens, seq_lens)   # unread unless SCALED
 
     num_splits = cfg.num_splits or decode_num_splits(num_seqs, num_kv_heads, max_seq_len,
@@ -314,8 +328,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         query_start_loc, qk_scale, num_splits, q.stride(0), q.stride(1), out.stride(0),
         out.stride(1), *pool_strides,
         NUM_HEADS=num_heads, GROUP=group, BLOCK_G=max(16, group_pad), HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, BLOCK_N=cfg.decode_block_n, SPLIT=num_splits > 1, SCALED=scaled,
-        DOT_PRECISION=dot_precision, num_warps=cfg.decode_num_warps,
+        BLOCK_SIZE=block_size, BLOCK_N=cfg.decode_block_n or _DECODE_BLOCK_N[k_cache.element_size()],
+        SPLIT=num_splits > 1, SCALED=scaled, Q_F16=q_f16, DOT_PRECISION=dot_precision, num_warps=cfg.decode_num_warps,
         num_stages=cfg.decode_num_stages)
     if num_splits > 1:
         _reduce_kernel[(num_seqs, num_heads)](
@@ -334,6 +348,6 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             num_seqs, q.stride(0), q.stride(1), out.stride(0), out.stride(1), *pool_strides,
             GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_DIM=head_dim,
             BLOCK_SIZE=block_size, BLOCK_N=cfg.prefill_block_n or (32 if wide else 64),
-            SCALED=scaled, DOT_PRECISION=dot_precision, num_warps=cfg.prefill_num_warps,
+            SCALED=scaled, Q_F16=q_f16, DOT_PRECISION=dot_precision, num_warps=cfg.prefill_num_warps,
             num_stages=cfg.prefill_num_stages or (2 if wide else 3))
     return out
