@@ -38,7 +38,8 @@ import torch  # noqa: E402
 
 from kernels.fp8 import (W8A16_MAX_M, fp8_linear, fp8_linear_ref, fp8_linear_w8a8,  # noqa: E402
                          fp8_weight_only_ref, per_channel_quant, per_token_quant)
-from kernels.w4a16 import W4Weight, w4a16_matmul, w4a16_matmul_ref  # noqa: E402
+from kernels.w4_weight import W4Weight  # noqa: E402
+from kernels.w4a16 import w4a16_matmul, w4a16_matmul_ref  # noqa: E402
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
 LAYERS = 32

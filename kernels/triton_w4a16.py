@@ -1,4 +1,4 @@
-"""Triton W4A16 GEMM (meaning: `w4a16.w4a16_matmul_ref`; layout: `w4a16.W4Weight`).
+"""Triton W4A16 GEMM (meaning: `w4a16.w4a16_matmul_ref`; layout: `w4_weight.W4Weight`).
 
 One kernel, `y[m, n] = sum_k x[m, perm[k]] * W'[k, n]` with `W'` the packed rows, tiled
 over (M, N) and optionally split along K. Each program walks its K-tiles; per tile it loads
@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from .triton_split_k import TileConfig, pick_split, split_k_counters, split_k_reduce
-from .w4a16 import W4Weight
+from .w4_weight import W4Weight
 
 _DECODE_MAX_M = 16
 _MID_MAX_M = 64

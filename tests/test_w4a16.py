@@ -15,8 +15,8 @@ import pytest
 import torch
 from helpers import run_interpreter_tests
 
-from kernels.w4a16 import (W4Weight, dequantize_ref, pack_int4, unpack_int4, w4a16_matmul,
-                           w4a16_matmul_ref)
+from kernels.w4_weight import W4Weight, dequantize_ref, pack_int4, unpack_int4
+from kernels.w4a16 import w4a16_matmul, w4a16_matmul_ref
 from worker.models.w4_formats import from_awq, from_compressed_tensors, from_gptq
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"

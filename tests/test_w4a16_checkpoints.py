@@ -40,7 +40,8 @@ import torch
 from helpers import LONG_STORY, PROMPTS, generate, greedy, tiny_hf_model, tiny_llama
 from safetensors.torch import save_file
 
-from kernels.w4a16 import dequantize_ref, w4a16_matmul_ref
+from kernels.w4_weight import dequantize_ref
+from kernels.w4a16 import w4a16_matmul_ref
 from worker.config import EngineConfig
 from worker.engine import LLMEngine
 from worker.models.loader import (

@@ -16,7 +16,7 @@ packs them (`checkpoint_tensors`), and what happens once every weight is in (`af
   channel after loading (no block-scaled GEMM yet).
 - A 4-bit weight-only checkpoint (W4A16): GPTQ (v1 and v2), AWQ (GEMM) or compressed-tensors
   `pack-quantized`. The model is built with `W4Linear`; each linear's tensors are read whole,
-  repacked into the one canonical layout of `kernels.w4a16` (`worker.models.w4_formats`), and
+  repacked into the one canonical layout of `kernels.w4_weight` (`worker.models.w4_formats`), and
   the model slices and fuses those like any other weight: q/k/v and gate/up concatenate along
   out_features, row-parallel layers take their whole groups of in_features.
   (`--load-format dummy` with a 4-bit method draws high-precision weights and rounds them to
@@ -38,7 +38,8 @@ import torch
 from torch import nn
 
 from kernels.fp8 import FP8_DTYPE, dequantize_blocks, fp8_linear, per_channel_quant
-from kernels.w4a16 import PACK, W4Weight, w4a16_matmul
+from kernels.w4_weight import PACK, W4Weight
+from kernels.w4a16 import w4a16_matmul
 from worker.config import CheckpointQuantization, ModelConfig
 from worker.models import w4_formats
 from worker.models.llama import CheckpointSlice
@@ -100,7 +101,7 @@ class Fp8Linear(nn.Module):
 
 class W4Linear(nn.Module):
     """`x @ W.T + bias` with `W` held as 4-bit integers in the canonical layout of
-    `kernels.w4a16` (`qweight`, `scales`, `zeros`, and `perm` under act-order), dequantized
+    `kernels.w4_weight` (`qweight`, `scales`, `zeros`, and `perm` under act-order), dequantized
     inside the GEMM (`w4a16_matmul`: Triton on a GPU, the reference on the CPU). The tensors
     are parameters, so the model's loader, `to_empty` and `.to(device)` treat them like
     `nn.Linear`'s; `scales` takes the model's dtype, as the model's other weights do."""

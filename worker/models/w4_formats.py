@@ -1,4 +1,4 @@
-"""4-bit checkpoint formats -> `kernels.w4a16.W4Weight` (the canonical layout).
+"""4-bit checkpoint formats -> `kernels.w4_weight.W4Weight` (the canonical layout).
 
 One function per format reads the tensors of one linear layer as a checkpoint stores them
 and returns the canonical weight; nothing here knows file names or configs. All of them
@@ -40,7 +40,7 @@ llm-compressor form them so).
 
 import torch
 
-from kernels.w4a16 import PACK, W4Weight, unpack_int4
+from kernels.w4_weight import PACK, W4Weight, unpack_int4
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds column AWQ_ORDER[i]
 GGUF_BLOCK = 32  # input features per GGUF Q4_0 / Q8_0 block
