@@ -185,6 +185,15 @@ def test_an_unknown_kv_cache_dtype_is_refused_naming_the_allowed_ones():
         EngineConfig(model="default", kv_cache_dtype="int8").validate()
 
 
+def test_an_fp8_pool_on_a_gpu_older_than_ada_is_refused_naming_what_is_allowed(monkeypatch):
+    from worker.model_runner import resolve_kv_cache_dtype
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8' needs a GPU of compute capability 8.9 or later "
+                                         r".*NVIDIA A100 has 8.0: use kv_cache_dtype='auto'"):
+        resolve_kv_cache_dtype("fp8", torch.bfloat16, torch.device("cuda", 0))
+
+
 def test_per_head_kv_scales_split_with_their_heads_over_two_ranks(tmp_path):
     """Each rank takes its own heads' scales: two ranks give one rank's logits. Head 1's scale
     is so small that its K/V saturate (to ±448 × 2^-12), head 0's keeps them whole, so a rank

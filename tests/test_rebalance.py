@@ -35,11 +35,14 @@ class Fleet:
             self.admission.set_worker(worker_id, 1000)
         self.rebalancer = Rebalancer(self.admission, lambda: self.loads.values(), CONFIG)
         self.moved: list[tuple[str, str]] = []
+        self.gone: set[str] = set()         # workers a move finds closed (move_to says False)
 
     async def running(self, request_id: str, tokens: int, worker_id: str = "hot") -> Movable:
         reservation = await self.admission.reserve(tokens, lambda fits: next(b for b in fits if b.worker_id == worker_id))
 
         def move_to(target: str) -> bool:
+            if target in self.gone:
+                return False
             self.moved.append((request_id, target))
             return True
         movable = Movable(request_id, reservation, movable=lambda: True, recompute_tokens=lambda: tokens,
@@ -88,6 +91,43 @@ def test_a_request_that_does_not_fit_the_targets_budget_stays():
         fleet.rebalancer.check(0.0)
         return fleet.rebalancer.check(1.0)
     assert asyncio.run(scenario()) is None
+
+
+def test_a_worker_whose_reports_stop_is_no_target():
+    async def scenario():
+        fleet = Fleet()
+        await fleet.running("r", 40)
+        fleet.rebalancer.check(0.0)
+        del fleet.loads["cold"]                              # left the fleet before its room lasted
+        return fleet.rebalancer.check(1.0), fleet.moved
+    assert asyncio.run(scenario()) == (None, [])
+
+
+def test_a_target_gone_when_the_move_is_made_leaves_the_request_and_the_next_target_takes_it():
+    async def scenario():
+        fleet = Fleet(cold_free=100)
+        fleet.loads["colder"] = WorkerLoad("colder", 0, 50, True)      # less room: tried second
+        fleet.admission.set_worker("colder", 1000)
+        movable = await fleet.running("r", 40)
+        fleet.gone.add("cold")
+        fleet.rebalancer.check(0.0)
+        moved = fleet.rebalancer.check(1.0)
+        return moved is movable, fleet.moved
+    assert asyncio.run(scenario()) == (True, [("r", "colder")])
+
+
+def test_a_move_no_target_takes_leaves_the_request_free_to_move_at_the_next_check():
+    async def scenario():
+        fleet = Fleet()
+        movable = await fleet.running("r", 40)
+        fleet.gone.add("cold")
+        fleet.rebalancer.check(0.0)
+        failed = fleet.rebalancer.check(1.0)
+        fleet.gone.clear()                                   # the worker is back
+        return failed, movable.moved_at, fleet.rebalancer.check(1.5), fleet.moved
+    failed, moved_at, moved, log = asyncio.run(scenario())
+    assert (failed, moved_at) == (None, float("-inf"))
+    assert moved.request_id == "r" and log == [("r", "cold")]
 
 
 # ------------------------------------------------------------------------------ end to end
