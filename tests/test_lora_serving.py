@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import contextlib
 
 import grpc
 import openai
@@ -17,8 +16,7 @@ import torch
 
 from common.pb import generation_pb2 as pb
 from common.pb import generation_pb2_grpc
-from router.fleet import FleetConfig
-from router.server import Router, RouterConfig
+from router_harness import running_router
 from worker_process import WorkerProcess
 
 pytestmark = pytest.mark.slow
@@ -79,18 +77,6 @@ def workers(adapters):
     yield started
     for w in started.values():
         w.__exit__()
-
-
-@contextlib.asynccontextmanager
-async def running_router(*workers: WorkerProcess, **settings):
-    router = Router(RouterConfig(workers=[w.address for w in workers], host="127.0.0.1", port=0,
-                                 fleet=FleetConfig(backoff_initial_s=0.2), shutdown_grace_s=1.0, **settings))
-    await router.start()
-    try:
-        await router.fleet.wait_for(lambda fleet: len(fleet.accepting()) == len(workers), 60)
-        yield router
-    finally:
-        await router.stop()
 
 
 def greedy(prompt: str, **fields) -> pb.GenerateRequest:

@@ -11,9 +11,8 @@ greedy outputs are compared token for token with the engine run offline in this 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import grpc
@@ -27,11 +26,11 @@ from common.pb import generation_pb2_grpc
 from common.sampling_params import SamplingParams
 from router.admission import Admission, QueuedRequest
 from router.counters import RouterCounters
-from router.fleet import FleetConfig
 from router.preemption import PriorityPreemption, Running, plan_room
-from router.server import Router, RouterConfig
+from router.server import Router
 from helpers import LONG_STORY
 from otlp_receiver import OtlpReceiver
+from router_harness import running_router
 from worker_process import WorkerProcess
 
 
@@ -190,19 +189,6 @@ def expected(make_engine, smollm_tokenizer):
     return outputs
 
 
-@contextlib.asynccontextmanager
-async def router_over(*workers: WorkerProcess) -> AsyncIterator[Router]:
-    """An in-process router with default flags over `workers`, once connected to them all."""
-    router = Router(RouterConfig(workers=[w.address for w in workers], host="127.0.0.1", port=0,
-                                 fleet=FleetConfig(backoff_initial_s=0.2), shutdown_grace_s=1.0))
-    await router.start()
-    try:
-        await router.fleet.wait_for(lambda fleet: len(fleet.accepting()) == len(workers), 60)
-        yield router
-    finally:
-        await router.stop()
-
-
 @dataclass
 class Timed:
     """One Generate stream's tokens and when each arrived (time.monotonic())."""
@@ -264,7 +250,7 @@ def urgent_behind_less_urgent_ones(worker: WorkerProcess) -> Displaced:
     """Four priority-5 requests fill the worker's pool; once they have run for the policy's
     minimum time, a priority-0 request arrives. Request ids: low-0 .. low-3, urgent."""
     async def scenario():
-        async with router_over(worker) as router, \
+        async with running_router(worker) as router, \
                 grpc.aio.insecure_channel(router.address) as channel:
             stub = generation_pb2_grpc.GenerationStub(channel)
             lows = [Timed() for _ in LOW_PROMPTS]
@@ -320,7 +306,7 @@ def test_each_swap_out_and_return_is_an_event_of_the_displaced_requests_span(wor
 @pytest.mark.slow
 def test_nothing_is_preempted_on_an_idle_or_evenly_loaded_fleet(workers, expected):
     async def scenario():
-        async with router_over(*workers) as router, \
+        async with running_router(*workers) as router, \
                 grpc.aio.insecure_channel(router.address) as channel:
             stub = generation_pb2_grpc.GenerationStub(channel)
             waiting = []

@@ -12,7 +12,6 @@ import asyncio
 
 import grpc
 import pytest
-from test_service_e2e import greedy_request, read_stream
 
 from common.pb import generation_pb2_grpc
 from common.sampling_params import SamplingParams
@@ -20,6 +19,7 @@ from router.admission import Admission, AdmissionConfig
 from router.fleet import FleetConfig
 from router.rebalance import Movable, RebalanceConfig, Rebalancer, WorkerLoad
 from router.server import Router, RouterConfig
+from router_harness import greedy_request, read_stream
 from worker_process import WorkerProcess, free_port
 
 CONFIG = RebalanceConfig(hold_s=1.0, interval_s=30.0)

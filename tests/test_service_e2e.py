@@ -17,7 +17,6 @@ import signal
 import subprocess
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 
 import grpc
 import pytest
@@ -27,8 +26,8 @@ from common.pb import generation_pb2 as pb
 from common.pb import generation_pb2_grpc
 from common.sampling_params import SamplingParams
 from router.admission import AdmissionConfig
-from router.fleet import FleetConfig
 from router.server import Router, RouterConfig
+from router_harness import Stream, client, eventually, greedy_request, read_stream, running_router
 from worker_process import REPO, WorkerProcess, free_port, module_command
 
 pytestmark = pytest.mark.slow
@@ -113,64 +112,6 @@ def reference(make_engine, smollm_tokenizer):
         outputs = generate(engine, [smollm_tokenizer.encode(p) for p in unique], params)
         return {prompt: outputs[f"r{i}"][0] for i, prompt in enumerate(unique)}
     return run
-
-
-@contextlib.asynccontextmanager
-async def running_router(*workers: WorkerProcess, admission: AdmissionConfig = AdmissionConfig(),
-                         **settings) -> AsyncIterator[Router]:
-    """An in-process router over the given workers, once it is connected to all of them."""
-    router = Router(RouterConfig(
-        workers=[w.address for w in workers], host="127.0.0.1", port=0, admission=admission,
-        fleet=FleetConfig(backoff_initial_s=0.2), shutdown_grace_s=1.0, **settings))
-    await router.start()
-    try:
-        await router.fleet.wait_for(lambda fleet: len(fleet.accepting()) == len(workers), 60)
-        yield router
-    finally:
-        await router.stop()
-
-
-@contextlib.asynccontextmanager
-async def client(router: Router) -> AsyncIterator[generation_pb2_grpc.GenerationStub]:
-    async with grpc.aio.insecure_channel(router.address) as channel:
-        yield generation_pb2_grpc.GenerationStub(channel)
-
-
-def greedy_request(prompt: str, max_tokens: int, **params) -> pb.GenerateRequest:
-    return pb.GenerateRequest(text=prompt, params=pb.SamplingParameters(
-        temperature=0.0, max_tokens=max_tokens, **params))
-
-
-@dataclass
-class Stream:
-    """What one Generate call returned, gathered as it arrives."""
-
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finish_reason: int = pb.FINISH_REASON_UNSPECIFIED
-    responses: list[pb.GenerateResponse] = field(default_factory=list)
-
-
-async def read_stream(call, stream: Stream | None = None) -> Stream:
-    """Reads a single-choice Generate call to its end into `stream`."""
-    stream = stream or Stream()
-    async for response in call:
-        stream.responses.append(response)
-        for choice in response.choices:
-            assert choice.index == 0
-            stream.token_ids += choice.token_ids
-            stream.text += choice.text
-            if choice.finish_reason:
-                stream.finish_reason = choice.finish_reason
-    return stream
-
-
-async def eventually(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
-    """Polls predicate until it holds; fails naming `what` after timeout_s."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
-        await asyncio.sleep(0.05)
 
 
 def blocks_all_free(router: Router, worker_name: str) -> bool:

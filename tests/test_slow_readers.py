@@ -13,11 +13,11 @@ import asyncio
 
 import grpc
 import pytest
-from test_service_e2e import greedy_request, running_router
 
 from common.pb import generation_pb2_grpc
 from common.sampling_params import SamplingParams
 from router.generate import RunConfig
+from router_harness import greedy_request, running_router
 from worker_process import WorkerProcess
 
 pytestmark = pytest.mark.slow
