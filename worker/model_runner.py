@@ -13,14 +13,14 @@ import logging
 import numpy as np
 import torch
 
-from kernels.attention import gather_plan, gpu_head_dim_supported
+from kernels.attention import gather_plan
 from kernels.cache import FP8_KV_DTYPE, copy_blocks, swap_blocks
 from worker.config import EngineConfig, ModelConfig
 from worker.context import AttentionMetadata, set_context
 from worker.cuda_graphs import DecodeGraphs
 from worker.kv_pool import allocate_kv_cache
 from worker.lora import LoRASlots, attach_lora
-from worker.models.loader import ModelLoadError, ModelSource, load_model
+from worker.models.loader import ModelSource, load_model
 from worker.models.quantization import FP8_MIN_CAPABILITY, quantization_label
 from worker.parallel import Shard, device_for, min_over_ranks
 from worker.sampler import PromptLogprobs, PromptScoring, SampledTokens, SamplingBatch, sample, token_logprobs
@@ -90,10 +90,6 @@ class ModelRunner:
         self.model_config, self.model = loaded or load_model(source, self.device, self.dtype, config.seed, shard,
                                                             config.quantization)
         self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads     # this rank's
-        if self.device.type == "cuda" and not gpu_head_dim_supported(self.model_config.head_dim):
-            raise ModelLoadError(f"{source.name}: head_dim {self.model_config.head_dim} is not served on the GPU "
-                                 "(its attention kernels take a power of two from 16: 16, 32, 64, 128, 256); "
-                                 "serve it with device='cpu'")
         self.quantization = quantization_label(config.quantization, self.model_config.quantization)
         if self.kv_dtype == FP8_KV_DTYPE and shard.rank == 0:
             self._log_kv_scales()

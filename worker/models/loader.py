@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from common.progress import progress
+from kernels.attention import gpu_head_dim_supported
 from worker.config import CheckpointQuantization, ModelConfig
 from worker.models.llama import CheckpointSlice, LlamaForCausalLM
 from worker.models.quantization import checkpoint_quantization, linear_method
@@ -317,6 +318,10 @@ def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype, se
     except ValueError as e:
         raise ModelLoadError(f"{source.path or source.name}: {e}") from e
     method.check_device(device)     # before minutes of loading
+    if device.type == "cuda" and not gpu_head_dim_supported(cfg.head_dim):
+        raise ModelLoadError(f"{source.path or source.name}: head_dim {cfg.head_dim} is not served on the GPU "
+                             "(its attention kernels take a power of two from 16: 16, 32, 64, 128, ...); "
+                             "serve it with device='cpu'")
     if shard.rank == 0:
         log.info("decoder linears of %s: %s", source.name, method.description)
     previous = torch.get_default_dtype()
