@@ -22,11 +22,11 @@ from worker_process import WorkerProcess
 
 @contextlib.asynccontextmanager
 async def running_router(*workers: WorkerProcess, admission: AdmissionConfig = AdmissionConfig(),
-                         **settings) -> AsyncIterator[Router]:
+                         fleet: FleetConfig = FleetConfig(backoff_initial_s=0.2), **settings) -> AsyncIterator[Router]:
     """An in-process router over the given workers, once it is connected to all of them."""
     router = Router(RouterConfig(
         workers=[w.address for w in workers], host="127.0.0.1", port=0, admission=admission,
-        fleet=FleetConfig(backoff_initial_s=0.2), shutdown_grace_s=1.0, **settings))
+        fleet=fleet, shutdown_grace_s=1.0, **settings))
     await router.start()
     try:
         await router.fleet.wait_for(lambda fleet: len(fleet.accepting()) == len(workers), 60)

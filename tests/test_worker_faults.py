@@ -9,7 +9,6 @@ silence timeout. Faults are injected with PAGEDSERVE_INJECT_FAULT into real work
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import signal
 import time
 
@@ -21,8 +20,9 @@ from common.pb import generation_pb2 as pb
 from common.pb import generation_pb2_grpc
 from common.sampling_params import SamplingParams
 from router.fleet import FleetConfig
-from router.server import Router, RouterConfig
+from router.server import Router
 from worker import faults
+from router_harness import running_router
 from worker_process import WorkerProcess, run_requests, submit
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time,", "1, 2, 3, 4,",
@@ -45,18 +45,6 @@ def expected(make_engine, smollm_tokenizer) -> dict[str, list[int]]:
     outputs = generate(make_engine(num_blocks=1024), [smollm_tokenizer.encode(p) for p in PROMPTS],
                        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
     return {prompt: outputs[f"r{i}"][0] for i, prompt in enumerate(PROMPTS)}
-
-
-@contextlib.asynccontextmanager
-async def router_over(*workers: WorkerProcess, fleet: FleetConfig = FleetConfig(backoff_initial_s=0.2)):
-    router = Router(RouterConfig(workers=[w.address for w in workers], host="127.0.0.1", port=0,
-                                 fleet=fleet, shutdown_grace_s=1.0))
-    await router.start()
-    try:
-        await router.fleet.wait_for(lambda f: len(f.accepting()) == len(workers), 60)
-        yield router
-    finally:
-        await router.stop()
 
 
 async def generate_all(router: Router, on_started=None) -> list[list[int]]:
@@ -130,7 +118,7 @@ def test_faulted_worker_hands_its_requests_back_and_exits_and_they_finish_elsewh
     with worker_process("--worker-id", "healthy") as healthy, \
             worker_process("--worker-id", "faulty", fault="device@6") as faulty:
         async def scenario():
-            async with router_over(healthy, faulty) as router:
+            async with running_router(healthy, faulty) as router:
                 outputs = await generate_all(router)
                 assert outputs == [expected[p] for p in PROMPTS]
                 assert router.counters.redispatches > 0, router.counters
@@ -172,7 +160,7 @@ def test_stalled_engine_reports_not_serving_naming_its_state_and_is_routed_aroun
             worker_process("--worker-id", "stalling", "--engine-stall-timeout", "1",
                            fault="stall@2:8") as stalling:
         async def scenario():
-            async with router_over(healthy, stalling) as router:
+            async with running_router(healthy, stalling) as router:
                 # A request straight to the stalling worker makes it step into the stall.
                 direct = asyncio.create_task(run_requests(stalling.address, [submit("r1", [1, 2, 3], max_tokens=4)],
                                                           timeout_s=60))
@@ -200,7 +188,7 @@ def test_frozen_worker_is_given_up_within_the_silence_timeout_and_its_requests_f
             worker_process("--worker-id", "frozen") as frozen:
         async def scenario():
             fleet = FleetConfig(backoff_initial_s=0.2, silence_timeout_s=2.0)
-            async with router_over(healthy, frozen, fleet=fleet) as router:
+            async with running_router(healthy, frozen, fleet=fleet) as router:
                 frozen_at = []
                 lost_at = []
 
