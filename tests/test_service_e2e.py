@@ -276,7 +276,7 @@ def test_a_worker_stopped_by_sigterm_drains_its_requests_to_the_other(worker, re
             # Each moved request came back as a PREEMPTED hand-back (counted with the recompute
             # preemptions) before the worker left, rather than being found lost with it.
             assert router.counters.redispatches > 0
-            assert router.counters.preemptions_recompute == router.counters.redispatches
+            assert router.counters.preemptions_recompute == router.counters.redispatches, stopped.log()
     asyncio.run(scenario())
 
 

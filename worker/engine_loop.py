@@ -64,6 +64,7 @@ class Session:
     # reader, `taken_tokens` (after tokens_in_flight) by the engine thread; see reported_tokens.
     submitted_tokens: int = 0
     taken_tokens: int = 0
+    last_read_at: float = 0.0           # time.monotonic() of the router's last message
 
     def reported_tokens(self) -> int:
         """Its tokens in flight, Submits not yet taken included. `taken_tokens` is read first:
@@ -309,14 +310,17 @@ class EngineLoop:
         router resubmits prompt + the tokens it has received), then tells every session it
         holds nothing more (DRAINED). After a fault the engine is not touched: its state may
         be half-updated."""
-        sessions = set(self.owner.values())
-        for key, session in list(self.owner.items()):
+        held = list(self.owner.items())
+        # Every hand-back is queued before the engine is touched: should freeing one request
+        # raise, the routers still have them all back.
+        for key, session in held:
+            session.send(_handed_back(key.split("/", 1)[1], message, fault))
+        for session in {session for _, session in held} | self.sessions_alive():
+            session.send(_event("", pb.EVENT_KIND_DRAINED))
+        for key, _ in held:
             if not fault:
                 self.engine.abort(key)
             self._forget(key, "failed" if fault else "drained", message if fault else None)
-            session.send(_handed_back(key.split("/", 1)[1], message, fault))
-        for session in sessions | self.sessions_alive():
-            session.send(_event("", pb.EVENT_KIND_DRAINED))
 
     # ------------------------------------------------------------ commands (engine thread)
 

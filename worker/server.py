@@ -39,6 +39,9 @@ from worker.scheduler import SWAP
 log = logging.getLogger("pagedserve.worker")
 
 LOAD_REPORT_INTERVAL_S = 0.2
+DRAIN_WAIT_S = 10.0         # for the engine thread to take the drain (it does so between steps)
+SHUTDOWN_LINGER_S = 0.5     # of a session's silence before it is closed: see _close_sessions
+SHUTDOWN_WAIT_S = 5.0       # for the sessions to settle and close
 
 
 class WorkerService(worker_pb2_grpc.WorkerServicer):
@@ -54,6 +57,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.loop.sessions_alive = lambda: set(self.sessions)
         self.worker_id = worker_id
         self.sessions: set[Session] = set()
+        self.stopping = False       # shutting down: new sessions are refused
         self._session_ids = itertools.count(1)
         self.info = self._build_info(model_name)
 
@@ -124,6 +128,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         return pb.UnloadLoRAAdapterResponse()
 
     async def Session(self, request_iterator, context):
+        if self.stopping:   # a router reconnecting to a worker on its way out
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"worker {self.worker_id} is shutting down")
         session = Session(f"s{next(self._session_ids)}", asyncio.get_running_loop())
         self.sessions.add(session)
         reader = asyncio.create_task(self._read(request_iterator, session))
@@ -141,6 +147,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         loop = self.loop
         try:
             async for msg in request_iterator:
+                session.last_read_at = time.monotonic()
                 kind = msg.WhichOneof("kind")
                 if kind == "hello":
                     session.router_id = msg.hello.router_id
@@ -251,6 +258,7 @@ async def serve_worker(config: EngineConfig, host: str, port: int, worker_id: st
     if watchdog is not None:
         watchdog.cancel()
     await set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+    service.stopping = True
     fault = service.loop.fault
     if fault is None:
         log.info("shutting down: draining %d requests", len(service.loop.owner))
@@ -259,14 +267,10 @@ async def serve_worker(config: EngineConfig, host: str, port: int, worker_id: st
         # rather than drained: nothing is lost, but the drain path goes unused).
         drained = threading.Event()
         service.loop.call(lambda: (service.loop.drain(), drained.set()))
-        await asyncio.to_thread(drained.wait, 5)
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and any(not s.outbox.empty() for s in service.sessions):
-        await asyncio.sleep(0.05)
-    for session in service.sessions:
-        session.outbox.put_nowait(None)     # ends each stream, rather than cancel it mid-wait
-    while time.monotonic() < deadline and service.sessions:
-        await asyncio.sleep(0.05)
+        if not await asyncio.to_thread(drained.wait, DRAIN_WAIT_S):
+            log.warning("the engine thread did not run the drain within %g s: closing the sessions "
+                        "anyway (their routers see the worker lost and re-dispatch)", DRAIN_WAIT_S)
+    await _close_sessions(service)
     await server.stop(grace=1)
     if health_server is not None:
         await health_server.stop(grace=1)
@@ -276,6 +280,26 @@ async def serve_worker(config: EngineConfig, host: str, port: int, worker_id: st
     if fault is not None:
         log.error("worker %s exits after a %s", service.worker_id, fault.split(" in step")[0])
         raise SystemExit(faults.EXIT_CODE)
+
+
+async def _close_sessions(service: WorkerService) -> None:
+    """Ends every session once its outbox is sent and its router has been quiet for
+    SHUTDOWN_LINGER_S since the hand-backs (or since its last message). What a router sent
+    before it read the hand-backs (a Submit, an Abort) still arrives then and is answered, a
+    late Submit handed back at once, where closing at once would leave it lost with the worker."""
+    started = time.monotonic()
+    deadline = started + SHUTDOWN_WAIT_S
+
+    def settled() -> bool:
+        now = time.monotonic()
+        return all(s.outbox.empty() and now - max(s.last_read_at, started) >= SHUTDOWN_LINGER_S
+                   for s in service.sessions)
+    while time.monotonic() < deadline and not settled():
+        await asyncio.sleep(0.05)
+    for session in service.sessions:
+        session.outbox.put_nowait(None)     # ends each stream, rather than cancel it mid-wait
+    while time.monotonic() < deadline and service.sessions:
+        await asyncio.sleep(0.05)
 
 
 async def _watch_engine(loop: EngineLoop, set_health: Callable, timeout_s: float) -> None:
