@@ -16,6 +16,7 @@ import functools
 import json
 import logging
 import math
+import socket
 import uuid
 from collections.abc import AsyncIterator, Callable
 
@@ -50,6 +51,12 @@ from router.tool_calls import StreamedCalls, ToolCallError, ToolCalling
 log = logging.getLogger("pagedserve.http")
 
 MAX_BODY_BYTES = 8 * 2**20
+# What an event stream may hold unsent: in the kernel's send buffer of its connection (fixed, so
+# that autotuning, megabytes on a fast link, does not hide a client that stopped reading) and in
+# the transport's own buffer, before the stream stops taking responses and its request counts
+# as blocked (router.generate's slow-reader policy swaps it out).
+SSE_SOCKET_BUFFER_BYTES = 16 * 2**10
+SSE_PENDING_BYTES = 16 * 2**10
 REQUEST_ID = web.RequestKey("request_id", str)
 
 
@@ -284,10 +291,18 @@ class OpenAIApi:
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                           "X-Request-Id": request[REQUEST_ID]})
         await out.prepare(request)
+        transport = request.transport   # None once the client has gone: the writes then raise
+        if transport is not None and (sock := transport.get_extra_info("socket")) is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SSE_SOCKET_BUFFER_BYTES)
         obj = "chat.completion.chunk" if chat else "text_completion"
 
         async def send(payload: dict) -> None:
             await out.write(b"data: " + json.dumps(meta | {"object": obj} | payload).encode() + b"\n\n")
+            # aiohttp waits for its transport only every 64 KiB written: a stalled reader is
+            # noticed here instead, at SSE_PENDING_BYTES.
+            while (transport is not None and not transport.is_closing()
+                   and transport.get_write_buffer_size() > SSE_PENDING_BYTES):
+                await asyncio.sleep(0.05)
 
         if chat:
             await send(role_chunk(n))
