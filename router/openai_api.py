@@ -229,6 +229,8 @@ class OpenAIApi:
             raise
         names = names_for(body, chat=chat)
         calling = self._tool_calling(body, request[REQUEST_ID]) if chat else None
+        # vLLM's extension; always on for a model without a tokenizer, whose text is empty.
+        token_ids = body_field(body, "return_token_ids", (bool,), False) or self._served().tokenizer is None
         parent = tracing.extract(request.headers) if tracing.enabled() else None
         params = grpc_requests[0].params
         n = params.n if params.HasField("n") else 1
@@ -255,8 +257,8 @@ class OpenAIApi:
             if stream:
                 return await self._sse(request, meta, _prepend(first, responses), chat=chat, n=n,
                                        want_logprobs=want_logprobs, include_usage=include_usage,
-                                       names=names, calling=calling)
-            acc = Accumulator(n, chat, want_logprobs, calling)
+                                       names=names, calling=calling, token_ids=token_ids)
+            acc = Accumulator(n, chat, want_logprobs, calling, token_ids)
             try:
                 async for response in _prepend(first, responses):
                     acc.add(response)
@@ -287,7 +289,7 @@ class OpenAIApi:
 
     async def _sse(self, request: web.Request, meta: dict, responses: AsyncIterator[pb.GenerateResponse], *,
                    chat: bool, n: int, want_logprobs: bool, include_usage: bool,
-                   names: dict[str, str], calling: ToolCalling | None) -> web.StreamResponse:
+                   names: dict[str, str], calling: ToolCalling | None, token_ids: bool) -> web.StreamResponse:
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                           "X-Request-Id": request[REQUEST_ID]})
         await out.prepare(request)
@@ -312,7 +314,7 @@ class OpenAIApi:
         try:
             async for response in responses:
                 if choices := chunk_choices(response, chat=chat, want_logprobs=want_logprobs,
-                                            offsets=offsets, calls=calls):
+                                            offsets=offsets, calls=calls, token_ids=token_ids):
                     await send({"choices": choices})
                 if response.HasField("usage"):
                     usage = response.usage

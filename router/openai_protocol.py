@@ -481,9 +481,12 @@ def _chat_logprobs(entries) -> dict:
 class Accumulator:
     """Collects the stream of one request into whole choices (non-streaming responses)."""
 
-    def __init__(self, n: int, chat: bool, want_logprobs: bool, calling: ToolCalling | None = None):
-        self.chat, self.want_logprobs, self.calling = chat, want_logprobs, calling
+    def __init__(self, n: int, chat: bool, want_logprobs: bool, calling: ToolCalling | None = None,
+                 token_ids: bool = False):
+        """`token_ids`: each choice carries its output's token ids too (vLLM's `return_token_ids`)."""
+        self.chat, self.want_logprobs, self.calling, self.want_token_ids = chat, want_logprobs, calling, token_ids
         self.text = [""] * n
+        self.token_ids: list[list[int]] = [[] for _ in range(n)]
         self.logprobs: list[list] = [[] for _ in range(n)]
         self.finish: list[str | None] = [None] * n
         self.usage: pb.Usage | None = None
@@ -491,6 +494,7 @@ class Accumulator:
     def add(self, response: pb.GenerateResponse) -> None:
         for c in response.choices:
             self.text[c.index] += c.text
+            self.token_ids[c.index].extend(c.token_ids)
             self.logprobs[c.index].extend(c.logprobs)
             if c.finish_reason:
                 self.finish[c.index] = FINISH.get(c.finish_reason)
@@ -512,6 +516,8 @@ class Accumulator:
                 choice |= {"message": {"role": "assistant", "content": text}}
             else:
                 choice |= {"text": text}
+            if self.want_token_ids:
+                choice["token_ids"] = self.token_ids[i]
             out.append(choice)
         return out
 
@@ -548,28 +554,30 @@ def role_chunk(n: int) -> dict:
 
 
 def chunk_choices(response: pb.GenerateResponse, *, chat: bool, want_logprobs: bool,
-                  offsets: list[int], calls: StreamedCalls | None = None) -> list[dict]:
+                  offsets: list[int], calls: StreamedCalls | None = None, token_ids: bool = False) -> list[dict]:
     """A stream chunk's choices from one response: those with text, an end or logprobs.
     `offsets` (text streamed so far, per choice) advances: completions' logprobs count from it.
-    `calls`: the text is tool calls (router.tool_calls), sent as tool-call deltas."""
+    `calls`: the text is tool calls (router.tool_calls), sent as tool-call deltas. `token_ids`:
+    each choice carries its new tokens' ids too, and one with tokens but no text is sent."""
     choices = []
     for c in response.choices:
+        ids = {"token_ids": list(c.token_ids)} if token_ids else {}
         logprobs = None
         if want_logprobs and c.logprobs:
             logprobs = _chat_logprobs(c.logprobs) if chat else _completion_logprobs(c.logprobs, offsets[c.index])
         offsets[c.index] += len(c.text)
         finish = FINISH.get(c.finish_reason)
-        choice = {"index": c.index, "logprobs": logprobs, "finish_reason": finish}
+        choice = {"index": c.index, "logprobs": logprobs, "finish_reason": finish} | ids
         if calls is not None:
             delta = calls.delta(c.index, c.text, finished=bool(c.finish_reason))
             if finish == "stop" and calls.call_made(c.index):
                 choice["finish_reason"] = "tool_calls"
             choice["delta"] = delta or {}
-            if delta or c.finish_reason or logprobs:
+            if delta or c.finish_reason or logprobs or ids.get("token_ids"):
                 choices.append(choice)
             continue
         choice |= {"delta": {"content": c.text}} if chat else {"text": c.text}
-        if c.text or c.finish_reason or logprobs:
+        if c.text or c.finish_reason or logprobs or ids.get("token_ids"):
             choices.append(choice)
     return choices
 

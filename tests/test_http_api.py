@@ -130,6 +130,24 @@ def test_streamed_completion_equals_unstreamed_and_ends_with_usage(client, model
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
 
 
+def test_return_token_ids_gives_each_choice_the_token_ids_of_its_text(client, model, smollm_tokenizer):
+    """vLLM's extension, through the official client's extra_body: the ids the text decodes from,
+    whole in a response and piece by piece in a stream."""
+    whole = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0,
+                                      extra_body={"return_token_ids": True})
+    chunks = list(client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0,
+                                            stream=True, extra_body={"return_token_ids": True}))
+    ids = whole.choices[0].model_extra["token_ids"]
+    assert len(ids) == whole.usage.completion_tokens
+    assert smollm_tokenizer.decode(ids, skip_special_tokens=True) == whole.choices[0].text
+    assert [t for c in chunks for choice in c.choices for t in choice.model_extra["token_ids"]] == ids
+
+
+def test_token_ids_are_left_out_unless_asked_for(client, model):
+    completion = client.completions.create(model=model, prompt=PROMPT, max_tokens=4, temperature=0)
+    assert "token_ids" not in completion.choices[0].model_extra
+
+
 def test_chat_completion_equals_grpc_chat_output(client, router, model):
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     chat = client.chat.completions.create(model=model, messages=messages, max_tokens=16, temperature=0)

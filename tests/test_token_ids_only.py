@@ -105,3 +105,33 @@ def test_http_api_takes_token_ids_and_refuses_chat_with_a_400(worker):
     assert status == 200 and completion["usage"]["completion_tokens"] == 4
     assert completion["choices"][0]["text"] == ""
     assert chat_status == 400 and "without a tokenizer" in chat["error"]["message"]
+
+
+def test_http_stream_carries_the_token_ids_it_has_no_text_for(worker):
+    """Without a tokenizer the text is empty: each chunk carries its tokens' ids instead, as the
+    whole response does, so a stream shows its tokens as they come rather than nothing."""
+    import aiohttp
+
+    body = {"prompt": [1, 17, 42], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+
+    async def scenario():
+        router = router_over(worker)
+        await router.start()
+        try:
+            await router.fleet.wait_for(lambda fleet: bool(fleet.accepting()), 60)
+            async with aiohttp.ClientSession(router.http_address) as http:
+                async with http.post("/v1/completions", json=body) as r:
+                    whole = await r.json()
+                async with http.post("/v1/completions", json=body | {"stream": True}) as r:
+                    events = [json.loads(line[6:]) for line in (await r.text()).splitlines()
+                              if line.startswith("data: {")]
+            return whole, events
+        finally:
+            await router.stop()
+
+    whole, events = asyncio.run(scenario())
+    ids = whole["choices"][0]["token_ids"]
+    assert len(ids) == 6
+    chunks = [choice["token_ids"] for event in events for choice in event["choices"]]
+    assert [t for chunk in chunks for t in chunk] == ids
+    assert len([chunk for chunk in chunks if chunk]) > 1      # streamed, not all at the end
