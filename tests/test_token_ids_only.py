@@ -2,7 +2,9 @@
 token-id prompts stream token ids; whatever needs text is refused with a message saying why."""
 
 import asyncio
+import contextlib
 import json
+from collections.abc import AsyncIterator
 
 import grpc
 import pytest
@@ -30,26 +32,28 @@ def worker(tmp_path_factory):
         yield process
 
 
-def router_over(worker: WorkerProcess) -> Router:
-    return Router(RouterConfig(workers=[worker.address], host="127.0.0.1", port=0, http_port=0,
-                               fleet=FleetConfig(backoff_initial_s=0.2), shutdown_grace_s=1.0))
+@contextlib.asynccontextmanager
+async def router_over(worker: WorkerProcess) -> AsyncIterator[Router]:
+    """A fresh in-process router (gRPC and HTTP) over the worker, once connected to it."""
+    router = Router(RouterConfig(workers=[worker.address], host="127.0.0.1", port=0, http_port=0,
+                                 fleet=FleetConfig(backoff_initial_s=0.2), shutdown_grace_s=1.0))
+    await router.start()
+    try:
+        await router.fleet.wait_for(lambda fleet: bool(fleet.accepting()), 60)
+        yield router
+    finally:
+        await router.stop()
 
 
 def call(worker: WorkerProcess, request: pb.GenerateRequest) -> tuple[list[pb.GenerateResponse], grpc.aio.AioRpcError | None]:
     """Runs one Generate through a fresh router over the worker: its responses, or its error."""
     async def scenario():
-        router = router_over(worker)
-        await router.start()
-        try:
-            await router.fleet.wait_for(lambda fleet: bool(fleet.accepting()), 60)
-            async with grpc.aio.insecure_channel(router.address) as channel:
-                stub = generation_pb2_grpc.GenerationStub(channel)
-                try:
-                    return [r async for r in stub.Generate(request)], None
-                except grpc.aio.AioRpcError as error:
-                    return [], error
-        finally:
-            await router.stop()
+        async with router_over(worker) as router, grpc.aio.insecure_channel(router.address) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            try:
+                return [r async for r in stub.Generate(request)], None
+            except grpc.aio.AioRpcError as error:
+                return [], error
     return asyncio.run(scenario())
 
 
@@ -86,20 +90,14 @@ def test_http_api_takes_token_ids_and_refuses_chat_with_a_400(worker):
     import aiohttp
 
     async def scenario():
-        router = router_over(worker)
-        await router.start()
-        try:
-            await router.fleet.wait_for(lambda fleet: bool(fleet.accepting()), 60)
-            async with aiohttp.ClientSession(router.http_address) as http:
-                async with http.post("/v1/completions", json={
-                        "prompt": [1, 17, 42], "max_tokens": 4, "temperature": 0, "ignore_eos": True}) as r:
-                    completion = (r.status, await r.json())
-                async with http.post("/v1/chat/completions", json={
-                        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}) as r:
-                    chat = (r.status, await r.json())
+        async with router_over(worker) as router, aiohttp.ClientSession(router.http_address) as http:
+            async with http.post("/v1/completions", json={
+                    "prompt": [1, 17, 42], "max_tokens": 4, "temperature": 0, "ignore_eos": True}) as r:
+                completion = (r.status, await r.json())
+            async with http.post("/v1/chat/completions", json={
+                    "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}) as r:
+                chat = (r.status, await r.json())
             return completion, chat
-        finally:
-            await router.stop()
 
     (status, completion), (chat_status, chat) = asyncio.run(scenario())
     assert status == 200 and completion["usage"]["completion_tokens"] == 4
@@ -115,19 +113,13 @@ def test_http_stream_carries_the_token_ids_it_has_no_text_for(worker):
     body = {"prompt": [1, 17, 42], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
 
     async def scenario():
-        router = router_over(worker)
-        await router.start()
-        try:
-            await router.fleet.wait_for(lambda fleet: bool(fleet.accepting()), 60)
-            async with aiohttp.ClientSession(router.http_address) as http:
-                async with http.post("/v1/completions", json=body) as r:
-                    whole = await r.json()
-                async with http.post("/v1/completions", json=body | {"stream": True}) as r:
-                    events = [json.loads(line[6:]) for line in (await r.text()).splitlines()
-                              if line.startswith("data: {")]
+        async with router_over(worker) as router, aiohttp.ClientSession(router.http_address) as http:
+            async with http.post("/v1/completions", json=body) as r:
+                whole = await r.json()
+            async with http.post("/v1/completions", json=body | {"stream": True}) as r:
+                events = [json.loads(line[6:]) for line in (await r.text()).splitlines()
+                          if line.startswith("data: {")]
             return whole, events
-        finally:
-            await router.stop()
 
     whole, events = asyncio.run(scenario())
     ids = whole["choices"][0]["token_ids"]
