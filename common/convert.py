@@ -13,6 +13,13 @@ PREEMPTION_MODE_NAMES = {mode: name for name, mode in PREEMPTION_MODES.items()}
 DEFAULT_MAX_TOKENS = SamplingParams.max_tokens  # a SamplingParameters without max_tokens
 
 
+def submit_tokens(msg: worker_pb2.Submit, max_model_len: int) -> int:
+    """What a Submit will hold once taken (the sequence's max_len), from the message alone: what
+    a worker counts in LoadReport.tokens_in_flight the moment it reads it."""
+    max_tokens = msg.params.max_tokens if msg.params.HasField("max_tokens") else DEFAULT_MAX_TOKENS
+    return min(len(msg.prompt_token_ids) + max_tokens, max_model_len)
+
+
 def _f32(x: float) -> float:
     """A proto float as the decimal the client most likely wrote (0.7, not 0.699999988)."""
     return float(f"{x:.7g}")

@@ -27,8 +27,10 @@ keep it waiting; the max_wait_s bound keeps either wait finite.
 Several router replicas share each worker without talking to each other, through the worker's
 load reports (`observe_load`): a report says how many tokens the other replicas' requests
 hold there and how many replicas (sessions) share it. Until its next report, a replica may
-reserve what it holds plus a 1/num_sessions share of the room the others leave, so replicas
-that decide at the same moment from the same picture cannot overfill the worker together;
+reserve what it holds plus a 1/num_sessions share of the room the others leave (less, for
+each other replica, what its own Submits not yet counted by the report will hold, which the
+others' reports miss as well), so replicas that decide at the same moment, from pictures
+taken while Submits were on their way, cannot overfill the worker together;
 what a replica releases it may reuse at once (no other replica has seen it free). A request
 larger than one share, which could never fit one, may instead take the whole room, at most
 once per report (WorkerBudget.fits). docs/serving.md states the guarantee this gives.
@@ -243,17 +245,24 @@ class Admission:
         self._workers.pop(worker_id, None)
 
     def observe_load(self, worker_id: str, tokens_in_flight: int, own_tokens_in_flight: int,
-                     num_sessions: int) -> None:
+                     num_sessions: int, unread_tokens: int = 0) -> None:
         """A worker's load report: every replica's requests hold `tokens_in_flight` tokens there,
-        this one's `own_tokens_in_flight` of them, and `num_sessions` replicas share it. Sets this
-        replica's share of the room until the next report (see the module docstring)."""
+        this one's `own_tokens_in_flight` of them, and `num_sessions` replicas share it;
+        `unread_tokens` of this replica's reservations there were not counted yet (their Submits
+        were on their way). Sets this replica's share of the room until the next report (see the
+        module docstring)."""
         worker = self._workers.get(worker_id)
         if worker is None:
             return
         worker.num_sessions = max(num_sessions, 1)
         # Measured by the worker at one moment: exact, if already a little old.
         worker.others_tokens = max(tokens_in_flight - own_tokens_in_flight, 0)
-        share = max(worker.room_tokens, 0) // worker.num_sessions
+        # Another replica's report missed this one's unread Submits too, so its room holds them
+        # as free: each of the N - 1 others may take a 1/N share of them. Leaving (N - 1) times
+        # them out of this replica's room makes the shares sum to the true room whatever is in
+        # flight (room_i = true room + the others' unread; sum over i of (room_i - (N-1) unread_i) / N).
+        room = worker.room_tokens - (worker.num_sessions - 1) * unread_tokens
+        share = max(room, 0) // worker.num_sessions
         worker.limit_tokens = worker.reserved_tokens + share
         worker.claimed_since_report = False
         self._admit_waiters()

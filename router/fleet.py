@@ -251,7 +251,8 @@ class Fleet:
             self._notify()
         load = client.load
         self._admission.observe_load(client.worker_id, load.tokens_in_flight,
-                                     load.session_tokens_in_flight, load.num_sessions)
+                                     load.session_tokens_in_flight, load.num_sessions,
+                                     unread_tokens=client.unread_tokens)
 
     def _sync_admission(self, client: WorkerClient) -> None:
         self._accepting[client.worker_id] = client.accepting

@@ -14,12 +14,14 @@ load fails the dispatch like a worker refusal); concurrent dispatches share one 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import grpc
 
+from common.convert import submit_tokens
 from common.pb import generation_pb2, worker_pb2, worker_pb2_grpc
 from common.tls import ClientTls
 
@@ -90,6 +92,11 @@ class WorkerClient:
         # taken before the load finished may still arrive after it, without the adapter.
         self._lora_loaded: dict[str, int] = {}
         self._reports = 0
+        # Submits sent on the session, numbered, with what each holds once the worker reads it:
+        # those a load report has not counted yet are `unread_tokens`.
+        self._submits_sent = 0
+        self._unread: collections.deque[tuple[int, int]] = collections.deque()
+        self._unsent_tokens = 0     # of Submits waiting for their LoRA adapter to load
         self._call: grpc.aio.StreamStreamCall | None = None
         self._reader: asyncio.Task | None = None
         self._closed = asyncio.Event()
@@ -100,6 +107,13 @@ class WorkerClient:
     @property
     def worker_id(self) -> str:
         return self.info.worker_id if self.info else ""
+
+    @property
+    def unread_tokens(self) -> int:
+        """What this router's Submits not yet counted by the latest load report will hold there
+        (on their way, or waiting for an adapter): the part of its reservations that the other
+        replicas' reports cannot show them either."""
+        return sum(tokens for _, tokens in self._unread) + self._unsent_tokens
 
     @property
     def draining(self) -> bool:
@@ -191,12 +205,26 @@ class WorkerClient:
             priority=priority, output_token_ids=output_token_ids, trace_context=trace_context,
             lora_name=lora[0] if lora else ""))
         if lora is None or self.holds_lora(lora[0]):
-            self._outbox.put_nowait(message)
+            self._send_submit(message)
         else:
             asyncio.create_task(self._submit_after_load(dispatch_id, message, *lora))
 
+    def _send_submit(self, message: worker_pb2.RouterMessage) -> None:
+        self._submits_sent += 1
+        self._unread.append((self._submits_sent, submit_tokens(message.submit, self.info.max_model_len)))
+        self._outbox.put_nowait(message)
+
     async def _submit_after_load(self, dispatch_id: str, message: worker_pb2.RouterMessage,
                                  name: str, path: str) -> None:
+        tokens = submit_tokens(message.submit, self.info.max_model_len)
+        self._unsent_tokens += tokens
+        try:
+            await self._load_then_submit(dispatch_id, message, name, path)
+        finally:
+            self._unsent_tokens -= tokens
+
+    async def _load_then_submit(self, dispatch_id: str, message: worker_pb2.RouterMessage,
+                                name: str, path: str) -> None:
         load = self._lora_loads.get(name)
         if load is None:
             log.info("loading LoRA adapter on demand", extra={"worker": self.worker_id, "lora": name})
@@ -212,7 +240,7 @@ class WorkerClient:
             self.forget(dispatch_id)
             return
         if dispatch_id in self._dispatches and self.alive:     # not aborted or lost meanwhile
-            self._outbox.put_nowait(message)
+            self._send_submit(message)
 
     def forget(self, dispatch_id: str) -> None:
         """Stops delivering messages about a dispatch (the worker may still hold it)."""
@@ -293,6 +321,11 @@ class WorkerClient:
         elif kind == "load":
             self.load = message.load
             self._reports += 1
+            if message.load.HasField("session_submits_read"):   # else a worker that does not say
+                while self._unread and self._unread[0][0] <= message.load.session_submits_read:
+                    self._unread.popleft()
+            else:
+                self._unread.clear()
             self._draining |= message.load.draining
             if self._on_load is not None:
                 self._on_load(self)

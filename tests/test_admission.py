@@ -302,6 +302,20 @@ def test_a_request_larger_than_a_share_takes_the_whole_room_once_per_report():
     asyncio.run(scenario())
 
 
+def test_shares_taken_from_reports_that_miss_submits_in_flight_never_sum_past_the_pool():
+    """Two replicas each hold 20 of a 100-token worker, 10 of which the worker has not read yet
+    when it reports, so each report shows the other holding only 10. Their new shares still sum
+    to the 60 truly left (before, 35 each: 70)."""
+    async def scenario():
+        replicas = [admission_with(100), admission_with(100)]
+        for admission in replicas:
+            await admission.reserve(20, first)
+            admission.observe_load("w0", tokens_in_flight=20, own_tokens_in_flight=10,
+                                   num_sessions=2, unread_tokens=10)
+        assert sum(a.workers[0].free_tokens for a in replicas) == 60
+    asyncio.run(scenario())
+
+
 def test_room_other_replicas_hold_past_the_capacity_admits_nothing():
     async def scenario():
         admission = admission_with(100, max_wait_s=0.05)

@@ -14,7 +14,8 @@ import time
 from prometheus_client import CollectorRegistry
 
 from common.metrics import WorkerMetrics
-from worker.engine_loop import EngineLoop, Session, submit_tokens
+from common.convert import submit_tokens
+from worker.engine_loop import EngineLoop, Session
 from worker_process import submit
 
 

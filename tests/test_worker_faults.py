@@ -222,7 +222,8 @@ def test_a_submit_after_a_fault_is_handed_back_at_once_and_never_reaches_the_eng
 
     from common.metrics import WorkerMetrics
     from common.pb import worker_pb2
-    from worker.engine_loop import EngineLoop, Session, submit_tokens
+    from common.convert import submit_tokens
+    from worker.engine_loop import EngineLoop, Session
 
     engine = make_engine(num_blocks=64)
     loop = EngineLoop(engine, WorkerMetrics("m", CollectorRegistry(), lambda: None, 16), "m")

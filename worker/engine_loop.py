@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from opentelemetry.trace import Span, SpanKind
 
 from common import tracing
-from common.convert import DEFAULT_MAX_TOKENS, PREEMPTION_MODES, sampling_params_from_proto
+from common.convert import PREEMPTION_MODES, sampling_params_from_proto
 from common.metrics import WorkerMetrics
 from common.pb import worker_pb2 as pb
 from common.sampling_params import InvalidRequest
@@ -39,12 +39,6 @@ FINISH = {FinishReason.STOP: pb.FINISH_REASON_STOP, FinishReason.LENGTH: pb.FINI
           FinishReason.ABORT: pb.FINISH_REASON_ABORT, None: pb.FINISH_REASON_NONE}
 EVENT_KINDS = {"admitted": pb.EVENT_KIND_ADMITTED, "preempted": pb.EVENT_KIND_PREEMPTED,
                "resumed": pb.EVENT_KIND_RESUMED}
-
-
-def submit_tokens(msg: pb.Submit, max_model_len: int) -> int:
-    """What a Submit will hold once taken (the sequence's max_len), from the message alone."""
-    max_tokens = msg.params.max_tokens if msg.params.HasField("max_tokens") else DEFAULT_MAX_TOKENS
-    return min(len(msg.prompt_token_ids) + max_tokens, max_model_len)
 
 
 @dataclass(eq=False)
@@ -64,6 +58,7 @@ class Session:
     # reader, `taken_tokens` (after tokens_in_flight) by the engine thread; see reported_tokens.
     submitted_tokens: int = 0
     taken_tokens: int = 0
+    submits_read: int = 0               # Submits the reader has taken off the stream
     last_read_at: float = 0.0           # time.monotonic() of the router's last message
 
     def reported_tokens(self) -> int:

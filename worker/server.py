@@ -20,7 +20,7 @@ import grpc
 from prometheus_client import CollectorRegistry
 
 from common import tracing
-from common.convert import PREEMPTION_MODE_NAMES
+from common.convert import PREEMPTION_MODE_NAMES, submit_tokens
 from common.grpc_server import create_server, listen
 from common.metrics import ModelSetup, WorkerMetrics, serve_metrics
 from common.pb import worker_pb2 as pb
@@ -31,7 +31,7 @@ from common.tls import ServerTls
 from worker import faults
 from worker.config import EngineConfig
 from worker.engine import LLMEngine
-from worker.engine_loop import EngineLoop, Session, submit_tokens
+from worker.engine_loop import EngineLoop, Session
 from worker.model_runner import kv_cache_dtype_name
 from worker.models.lora_checkpoint import LoRAAdapterError, read_lora_adapter
 from worker.scheduler import SWAP
@@ -155,6 +155,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 elif kind == "submit":
                     estimate = submit_tokens(msg.submit, self.engine.max_model_len)
                     session.submitted_tokens += estimate
+                    session.submits_read += 1
                     loop.call(lambda m=msg.submit, t=time.monotonic(), e=estimate:
                               loop.submit(session, m, t, e))
                 elif kind == "abort":
@@ -187,7 +188,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 # From the sessions' live counts, not the step's snapshot: the total and this
                 # session's part must be of one moment for a router to tell the others' apart.
                 tokens_in_flight=sum(other.reported_tokens() for other in self.sessions),
-                session_tokens_in_flight=session.reported_tokens(), num_sessions=len(self.sessions),
+                session_tokens_in_flight=session.reported_tokens(), session_submits_read=session.submits_read,
+                num_sessions=len(self.sessions),
                 draining=self.loop.draining, prefix_cache_hit_rate=hit_rate, stalled=self.loop.stalled,
                 lora_adapters=[pb.LoRAAdapter(name=name, path=path, rank=rank, target_modules=targets,
                                               on_device=on_device, num_requests=users)
