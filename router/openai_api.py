@@ -209,6 +209,14 @@ class OpenAIApi:
         except ApiError as error:
             raise HttpError.from_api(error) from None
 
+    def _without_tokenizer(self) -> bool:
+        """Whether the served model has no tokenizer; False while no worker has named a model
+        (the service then refuses the request, and counts it)."""
+        try:
+            return self.service.served_model().tokenizer is None
+        except ApiError:
+            return False
+
     # ---------------------------------------------------------------- generation
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -230,7 +238,7 @@ class OpenAIApi:
         names = names_for(body, chat=chat)
         calling = self._tool_calling(body, request[REQUEST_ID]) if chat else None
         # vLLM's extension; always on for a model without a tokenizer, whose text is empty.
-        token_ids = body_field(body, "return_token_ids", (bool,), False) or self._served().tokenizer is None
+        token_ids = body_field(body, "return_token_ids", (bool,), False) or self._without_tokenizer()
         parent = tracing.extract(request.headers) if tracing.enabled() else None
         params = grpc_requests[0].params
         n = params.n if params.HasField("n") else 1
