@@ -15,7 +15,12 @@ to the base layer's output. Each output row belongs to one piece, which is why `
 R columns even for a packed layer. `pieces` lists each piece's output rows as
 `(start, size)`, in order.
 
-`lora_shrink` / `lora_expand` dispatch to the Triton kernels on a GPU (`kernels.triton_lora`)
+A base weight may also carry every slot's A below its own rows (`worker.lora` folds them
+in where the extra rows are few), so that the base GEMM returns `y_aug [T, out + S*P*R]`:
+the outputs, then each slot's shrink. `lora_expand_folded` picks each token's slot's shrink
+from there and returns the outputs with the deltas added, as a new `[T, out]` tensor.
+
+`lora_shrink` / `lora_expand` / `lora_expand_folded` dispatch to the Triton kernels on a GPU (`kernels.triton_lora`)
 and to the plain PyTorch reference here otherwise; the reference is also the tests' oracle.
 """
 
@@ -46,6 +51,18 @@ def lora_expand_ref(y: torch.Tensor, shrunk: torch.Tensor, b: torch.Tensor, slot
     return y
 
 
+def lora_expand_folded_ref(y_aug: torch.Tensor, out_features: int, b: torch.Tensor,
+                           slots: torch.Tensor, pieces: list[tuple[int, int]]) -> torch.Tensor:
+    """`[T, out_features]`: the outputs of `y_aug` plus each token's delta, its shrink taken
+    from its slot's columns of `y_aug` (a new tensor)."""
+    num_slots, _, rank = b.shape
+    shrunk_all = y_aug[:, out_features:].view(y_aug.shape[0], num_slots, len(pieces) * rank)
+    valid = slots >= 0
+    shrunk = shrunk_all[torch.arange(y_aug.shape[0], device=y_aug.device), slots.clamp(min=0).long()]
+    shrunk = torch.where(valid[:, None], shrunk.float(), 0.0)
+    return lora_expand_ref(y_aug[:, :out_features].clone(), shrunk, b, slots, pieces)
+
+
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     if x.is_cuda:
         from kernels.triton_lora import lora_shrink_triton
@@ -59,3 +76,11 @@ def lora_expand(y: torch.Tensor, shrunk: torch.Tensor, b: torch.Tensor, slots: t
         from kernels.triton_lora import lora_expand_triton
         return lora_expand_triton(y, shrunk, b, slots, pieces)
     return lora_expand_ref(y, shrunk, b, slots, pieces)
+
+
+def lora_expand_folded(y_aug: torch.Tensor, out_features: int, b: torch.Tensor,
+                       slots: torch.Tensor, pieces: list[tuple[int, int]]) -> torch.Tensor:
+    if y_aug.is_cuda:
+        from kernels.triton_lora import lora_expand_folded_triton
+        return lora_expand_folded_triton(y_aug, out_features, b, slots, pieces)
+    return lora_expand_folded_ref(y_aug, out_features, b, slots, pieces)

@@ -21,6 +21,9 @@ the last one, is a row no pass loads.
   boundary takes two), the columns of other pieces loaded as zeros. The pieces' bounds
   are scalar arguments (P <= 3), so nothing is copied to the device per call. Rows of
   slot -1 and columns outside every piece are neither loaded nor stored.
+* folded expand: when the base GEMM computed every slot's shrink beside its own outputs
+  (`worker.lora`), the same kernel reads each token's shrink at its slot's offset in that
+  wider output and writes base + delta to a new tensor, every element of it.
 
 Accumulation is in float32. The launch grid and the arguments depend on shapes and on
 `pieces` only, nothing reads back to the host: both are CUDA-graph capturable (warm each
@@ -30,8 +33,9 @@ batch size compiles nothing new within its tile class.
 
 Tile shapes are first choices for the tensor cores, not tuned on a GPU yet. At batch 1 the
 cost is the launches' fixed latency, not bytes (about 30 us a Llama-3.1-8B layer for its
-eight launches on an H200); a fused shrink + expand kernel for small batches was tried and
-measured slower (37 us a layer), so it is not kept (docs/BENCHMARKS.md).
+eight launches on an H200): that is why the shrink folds into the base GEMM where it can; a
+fused shrink + expand kernel for small batches was tried and measured slower (37 us a layer),
+so it is not kept (docs/BENCHMARKS.md).
 """
 
 import torch
@@ -115,7 +119,7 @@ def _expand_piece(acc, shrunk_rows, b_slot, rows, offs_n, n_start, start, end, p
             offs_r = r0 + tl.arange(0, BLOCK_R)
             r_ok = offs_r < R
             st = tl.load(shrunk_rows + (piece * R + offs_r)[None, :] * stride_sr,
-                         mask=rows[:, None] & r_ok[None, :], other=0.0)
+                         mask=rows[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
             # Columns of other pieces load as zeros: they take their piece's own pass.
             bt = tl.load(b_slot + offs_n.to(tl.int64)[None, :] * stride_bo
                          + offs_r[:, None] * stride_br,
@@ -125,11 +129,14 @@ def _expand_piece(acc, shrunk_rows, b_slot, rows, offs_n, n_start, start, end, p
 
 
 @triton.jit(do_not_specialize=["T", "start0", "end0", "start1", "end1", "start2", "end2"])
-def _expand_kernel(y, shrunk, b, slots, T, N, R, S, start0, end0, start1, end1, start2, end2,
-                   stride_slot, stride_yt, stride_yo, stride_st, stride_sr, stride_bs,
-                   stride_bo, stride_br, NUM_PIECES: tl.constexpr, BLOCK_T: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """y[t, o] += sum_j shrunk[t, p(o)*R + j] * b[slot[t], o, j] for o in a piece."""
+def _expand_kernel(out, y, shrunk, b, slots, T, N, R, S, start0, end0, start1, end1, start2, end2,
+                   stride_slot, stride_ot, stride_oo, stride_yt, stride_yo, stride_st, stride_ss,
+                   stride_sr, stride_bs, stride_bo, stride_br, NUM_PIECES: tl.constexpr,
+                   STORE_ALL: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """out[t, o] = y[t, o] + sum_j shrunk[t, slot[t], p(o)*R + j] * b[slot[t], o, j] for o
+    in a piece (`stride_ss` 0: one shrunk row a token). STORE_ALL: every element of `out`
+    is written (a new tensor); else only those an adapter changes (`out` is `y`)."""
     pid_t, pid_n = tl.program_id(0), tl.program_id(1)
     n_start = pid_n * BLOCK_N
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -143,28 +150,33 @@ def _expand_kernel(y, shrunk, b, slots, T, N, R, S, start0, end0, start1, end1, 
         rows = slot == s
         if tl.max(rows.to(tl.int32), axis=0) > 0:
             b_slot = b + s.to(tl.int64) * stride_bs
-            acc = _expand_piece(acc, shrunk_rows, b_slot, rows, offs_n, n_start, start0, end0,
+            shrunk_slot = shrunk_rows + s.to(tl.int64) * stride_ss
+            acc = _expand_piece(acc, shrunk_slot, b_slot, rows, offs_n, n_start, start0, end0,
                                 0, R, stride_sr, stride_bo, stride_br, BLOCK_N, BLOCK_R,
                                 DOT_PRECISION)
             if NUM_PIECES > 1:
-                acc = _expand_piece(acc, shrunk_rows, b_slot, rows, offs_n, n_start, start1,
+                acc = _expand_piece(acc, shrunk_slot, b_slot, rows, offs_n, n_start, start1,
                                     end1, 1, R, stride_sr, stride_bo, stride_br, BLOCK_N,
                                     BLOCK_R, DOT_PRECISION)
             if NUM_PIECES > 2:
-                acc = _expand_piece(acc, shrunk_rows, b_slot, rows, offs_n, n_start, start2,
+                acc = _expand_piece(acc, shrunk_slot, b_slot, rows, offs_n, n_start, start2,
                                     end2, 2, R, stride_sr, stride_bo, stride_br, BLOCK_N,
                                     BLOCK_R, DOT_PRECISION)
 
     # Unused pieces have empty bounds (0, 0), so they add no column.
     in_piece = (((offs_n >= start0) & (offs_n < end0)) | ((offs_n >= start1) & (offs_n < end1))
                 | ((offs_n >= start2) & (offs_n < end2)))
-    mask = (slot >= 0)[:, None] & (in_piece & (offs_n < N))[None, :]
-    y_ptrs = y + offs_t.to(tl.int64)[:, None] * stride_yt + offs_n[None, :] * stride_yo
-    base = tl.load(y_ptrs, mask=mask, other=0.0)
-    # The reference rounds the delta to y's dtype before it adds it: so does this.
+    if STORE_ALL:
+        mask = (offs_t < T)[:, None] & (offs_n < N)[None, :]
+    else:
+        mask = (slot >= 0)[:, None] & (in_piece & (offs_n < N))[None, :]
+    rows64 = offs_t.to(tl.int64)[:, None]
+    base = tl.load(y + rows64 * stride_yt + offs_n[None, :] * stride_yo, mask=mask, other=0.0)
+    # The reference rounds the delta to y's dtype before it adds it: so does this (rows and
+    # columns no adapter touches add an exact zero).
     delta = acc.to(y.dtype.element_ty)
-    tl.store(y_ptrs, (base.to(tl.float32) + delta.to(tl.float32)).to(y.dtype.element_ty),
-             mask=mask)
+    tl.store(out + rows64 * stride_ot + offs_n[None, :] * stride_oo,
+             (base.to(tl.float32) + delta.to(tl.float32)).to(y.dtype.element_ty), mask=mask)
 
 
 def _block_t(num_tokens: int) -> int:
@@ -228,16 +240,35 @@ def lora_shrink_triton(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) ->
 def lora_expand_triton(y: torch.Tensor, shrunk: torch.Tensor, b: torch.Tensor,
                        slots: torch.Tensor, pieces: list[tuple[int, int]]) -> torch.Tensor:
     """Same arguments and result as `lora_expand_ref`: adds into `y` in place, returns it."""
+    assert shrunk.shape == (y.shape[0], len(pieces) * b.shape[2]), "shrunk is not [T, P*R]"
+    assert shrunk.dtype == torch.float32
+    return _expand(y, y, shrunk, 0, b, slots, pieces)
+
+
+def lora_expand_folded_triton(y_aug: torch.Tensor, out_features: int, b: torch.Tensor,
+                              slots: torch.Tensor, pieces: list[tuple[int, int]]) -> torch.Tensor:
+    """Same arguments and result as `lora.lora_expand_folded_ref`: a new `[T, out_features]`."""
+    num_slots, _, rank = b.shape
+    width = len(pieces) * rank
+    assert y_aug.shape[1] == out_features + num_slots * width, "y_aug is not [T, out + S*P*R]"
+    out = torch.empty((y_aug.shape[0], out_features), dtype=y_aug.dtype, device=y_aug.device)
+    return _expand(out, y_aug[:, :out_features], y_aug[:, out_features:], width, b, slots, pieces)
+
+
+def _expand(out: torch.Tensor, y: torch.Tensor, shrunk: torch.Tensor, slot_stride: int,
+            b: torch.Tensor, slots: torch.Tensor, pieces: list[tuple[int, int]]) -> torch.Tensor:
+    """out = y + each token's delta; `shrunk` holds a row a token, its slot's columns
+    starting at slot * `slot_stride`. Writes only what adapters change when `out` is `y`."""
     num_tokens, n = y.shape
     num_slots, _, rank = b.shape
     num_pieces = len(pieces)
     assert 1 <= num_pieces <= _MAX_PIECES, f"{num_pieces} pieces; at most {_MAX_PIECES}"
-    assert shrunk.shape == (num_tokens, num_pieces * rank), "shrunk is not [T, P*R]"
-    assert shrunk.dtype == torch.float32 and b.dtype == y.dtype
+    assert b.dtype == y.dtype and out.shape == y.shape and out.dtype == y.dtype
     assert slots.shape == (num_tokens,)
     assert all(0 <= start and start + size <= min(n, b.shape[1]) for start, size in pieces)
-    if num_tokens == 0 or rank == 0:
-        return y
+    store_all = out is not y
+    if num_tokens == 0 or (rank == 0 and not store_all):
+        return out
     bounds = [(start, start + size) for start, size in pieces]
     bounds += [(0, 0)] * (_MAX_PIECES - num_pieces)
     block_t = _block_t(num_tokens)
@@ -245,9 +276,10 @@ def lora_expand_triton(y: torch.Tensor, shrunk: torch.Tensor, b: torch.Tensor,
     block_n = 64 if num_tokens <= 16 or y.dtype == torch.float32 else 128
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(n, block_n))
     _expand_kernel[grid](
-        y, shrunk, b, slots, num_tokens, n, rank, num_slots, *(v for be in bounds for v in be),
-        slots.stride(0), y.stride(0), y.stride(1), shrunk.stride(0), shrunk.stride(1),
-        b.stride(0), b.stride(1), b.stride(2), NUM_PIECES=num_pieces, BLOCK_T=block_t,
-        BLOCK_N=block_n, BLOCK_R=_BLOCK_R, DOT_PRECISION=_dot_precision(y.dtype),
-        num_warps=_num_warps(block_t))
-    return y
+        out, y, shrunk, b, slots, num_tokens, n, rank, num_slots,
+        *(v for be in bounds for v in be), slots.stride(0), out.stride(0), out.stride(1),
+        y.stride(0), y.stride(1), shrunk.stride(0), slot_stride, shrunk.stride(1),
+        b.stride(0), b.stride(1), b.stride(2), NUM_PIECES=num_pieces, STORE_ALL=store_all,
+        BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_R=_BLOCK_R,
+        DOT_PRECISION=_dot_precision(y.dtype), num_warps=_num_warps(block_t))
+    return out

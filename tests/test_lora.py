@@ -129,6 +129,72 @@ def test_more_adapters_than_slots_run_by_turns(smollm_source, smollm_weights, ad
     assert engine.lora.loads == len(ADAPTERS)
 
 
+def test_plain_linears_fold_their_slots_a_into_their_weight_where_it_adds_few_rows(lora_engine):
+    """Four slots of rank 16 on SmolLM2: q/k/v (960 rows) would grow by 3 x 64 rows, 20 %,
+    so it keeps its own shrink; o, gate/up and down grow by 64 of 576, 128 of 3072, 64 of 576."""
+    layers = lora_engine.runner.lora.layers
+    assert {name: layers[(0, name)].folded for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")} \
+        == {"qkv_proj": False, "o_proj": True, "gate_up_proj": True, "down_proj": True}
+    assert layers[(0, "o_proj")].base.weight.shape == (576 + 4 * 16, 576)
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
+def test_a_folded_linear_computes_what_an_unfolded_one_does(monkeypatch, bias):
+    """The same weights, slots and tokens (two adapters, the base model, an empty slot)
+    through a folded and an unfolded LoRALinear; without adapters in the step, a folded one
+    is its base linear."""
+    from torch import nn
+
+    import worker.lora
+    from worker.context import AttentionMetadata, set_context
+    from worker.lora import LoRALinear
+    pieces = [(0, 24), (24, 8), (32, 8)]
+    torch.manual_seed(0)
+    base = nn.Linear(16, 40, bias=bias)
+    x = torch.randn(6, 16)
+    with torch.no_grad():
+        want_base = base(x)
+    made = {}
+    for fold in (False, True):
+        monkeypatch.setattr(worker.lora, "FOLD_MAX_EXTRA_ROWS", 1.0 if fold else 0.0)
+        made[fold] = LoRALinear(copy.deepcopy(base), pieces, 16, 3, 4, torch.float32, torch.device("cpu"))
+        assert made[fold].folded is fold
+        g = torch.Generator().manual_seed(1)
+        for slot in (0, 1):
+            made[fold].load_slot(slot, (torch.randn(3, 4 - slot, 16, generator=g), torch.randn(40, 4 - slot, generator=g)))
+    metadata = dict(slot_mapping=torch.zeros(6, dtype=torch.long), block_tables=torch.zeros(1, 1, dtype=torch.int32),
+                    seq_lens=torch.ones(6, dtype=torch.int32), query_start_loc=torch.arange(7, dtype=torch.int32),
+                    max_query_len=1, max_seq_len=1)
+    try:
+        set_context(AttentionMetadata(**metadata, lora_slots=torch.tensor([0, 1, -1, 1, 2, 0], dtype=torch.int32)))
+        with torch.no_grad():
+            unfolded, folded = made[False](x), made[True](x)
+        set_context(AttentionMetadata(**metadata))
+        with torch.no_grad():
+            without_adapters = made[True](x)
+    finally:
+        set_context(None)
+    torch.testing.assert_close(folded, unfolded, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(folded[[0, 1, 3, 5]], want_base[[0, 1, 3, 5]], atol=1e-2)
+    torch.testing.assert_close(folded[[2, 4]], want_base[[2, 4]])
+    torch.testing.assert_close(without_adapters, want_base)
+
+
+def test_a_steps_tokens_are_grouped_by_adapter(lora_engine, prompt_ids):
+    """Requests arriving adapters in turn run side by side per adapter, so each tile of the
+    LoRA kernels meets as few adapters as the batch allows."""
+    names = [None, "qv8", "all16", "mlp_rs"] * 2
+    for i, name in enumerate(names):
+        lora_engine.add_request(f"g{i}", prompt_ids[i % 3], greedy(3), lora_name=name)
+    try:
+        lora_engine.step()
+        slots = [s.seq.lora_slot for s in lora_engine.last_plan.scheduled]
+        assert len(slots) == len(names) and slots == sorted(slots) and len(set(slots)) == 4
+    finally:
+        for i in range(len(names)):
+            lora_engine.abort(f"g{i}")
+
+
 def test_an_unknown_adapter_is_refused_naming_it(lora_engine, prompt_ids):
     with pytest.raises(LoRANotFound, match="'nope' is not loaded"):
         lora_engine.add_request("x", prompt_ids[0], greedy(2), lora_name="nope")

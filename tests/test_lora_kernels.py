@@ -9,7 +9,8 @@ import pytest
 import torch
 from helpers import run_interpreter_tests
 
-from kernels.lora import lora_expand, lora_expand_ref, lora_shrink, lora_shrink_ref
+from kernels.lora import (lora_expand, lora_expand_folded, lora_expand_folded_ref, lora_expand_ref,
+                          lora_shrink, lora_shrink_ref)
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
@@ -82,6 +83,13 @@ def naive_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: list[i
     return delta
 
 
+def folded_output(x: torch.Tensor, a: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """`y_aug [T, out + S*P*R]`: what a base GEMM whose weight carries every slot's A below
+    its own rows returns, `y` then each slot's shrink (in y's dtype, as the GEMM's)."""
+    every_slot = x.float() @ a.reshape(-1, a.shape[2]).float().t()
+    return torch.cat([y, every_slot.to(y.dtype)], dim=1)
+
+
 # ------------------------------------------------------------------- the reference (CPU)
 
 def test_reference_shrink_is_each_tokens_input_through_its_slots_a():
@@ -101,6 +109,18 @@ def test_reference_adds_each_tokens_dense_delta(pieces):
     got = lora_expand_ref(y.clone(), lora_shrink_ref(x, a, slots), b, slots, pieces)
     want = y.double() + naive_delta(x, a, b, SLOTS, pieces, ranks=[8, 8, 8])
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("pieces", [ONE, QKV], ids=["one", "qkv"])
+def test_reference_folded_expand_takes_each_tokens_shrink_from_its_slots_columns(pieces):
+    a, b = random_adapters(3, pieces, 48, 8)
+    x, y = randn(len(SLOTS), 48), randn(len(SLOTS), out_features(pieces), seed=2)
+    slots = torch.tensor(SLOTS)
+    y_aug = folded_output(x, a, y)
+    got = lora_expand_folded_ref(y_aug, y.shape[1], b, slots, pieces)
+    want = lora_expand_ref(y.clone(), lora_shrink_ref(x, a, slots), b, slots, pieces)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    assert torch.equal(y_aug[:, :y.shape[1]], y), "the folded expand writes a new tensor"
 
 
 def test_reference_leaves_tokens_without_adapter_untouched():
@@ -270,6 +290,37 @@ def test_interp_tokens_without_adapter_get_zero_shrunk_rows():
     assert not shrunk[slots < 0].any()
 
 
+def assert_folded_expand_matches_reference(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                                           y: torch.Tensor, slots: torch.Tensor,
+                                           pieces: list[tuple[int, int]], tol: dict) -> None:
+    """The folded expand (through the public function on CUDA) against the reference on the
+    same wider output; rows without an adapter come out bit for bit as the base's."""
+    from kernels.triton_lora import lora_expand_folded_triton
+
+    y_aug = folded_output(x, a, y)
+    want = lora_expand_folded_ref(y_aug, y.shape[1], b, slots, pieces)
+    expand = lora_expand_folded if y.is_cuda else lora_expand_folded_triton
+    got = expand(y_aug, y.shape[1], b, slots, pieces)
+    assert got.is_contiguous() and got.shape == y.shape
+    torch.testing.assert_close(got, want, **tol)
+    none = slots < 0
+    assert torch.equal(got[none], y[none]), "a token without adapter was changed"
+    assert torch.equal(y_aug[:, :y.shape[1]], y), "the folded expand wrote into its input"
+
+
+@interpreter_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("pieces", INTERP_PIECES.values(), ids=INTERP_PIECES.keys())
+@pytest.mark.parametrize("num_tokens", [1, 7, 40])
+def test_interp_folded_expand_matches_reference(num_tokens, pieces, dtype):
+    """Four slots of rank 24 (a ragged rank tile), -1 among the tokens' slots."""
+    a, b = random_adapters(4, pieces, 72, 24, dtype)
+    x, y = randn(num_tokens, 72, dtype=dtype), randn(num_tokens, out_features(pieces), dtype=dtype)
+    slots = torch.randint(-1, 4, (num_tokens,), generator=torch.Generator().manual_seed(num_tokens),
+                          dtype=torch.int32)
+    assert_folded_expand_matches_reference(x, a, b, y, slots, pieces, INTERP_TOL[dtype])
+
+
 @interpreter_only
 def test_interp_ragged_shapes_read_and_write_nothing_out_of_bounds():
     assert_ragged_shapes_stay_in_bounds(torch.float32, "cpu", INTERP_SHRINK_TOL[torch.float32],
@@ -328,6 +379,21 @@ def test_gpu_prefill_chunks_match_reference(layer, rank, dtype):
     x, y = gpu_inputs(2048, in_features, pieces, dtype)
     slots = prefill_slots(2048, GPU_SLOTS, slice(1000, 1100)).cuda()
     assert_kernels_match_reference(x, a, b, y, slots, pieces, SHRINK_TOL[dtype], GPU_TOL[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("layer", LAYERS)
+def test_gpu_folded_expand_matches_reference(layer, dtype):
+    """1, 7 and 256 decode tokens on random slots of 8 (rank 16), and a 2048-token chunk on
+    one slot but for a mixed stretch."""
+    in_features, pieces = LAYERS[layer]
+    a, b = random_adapters(8, pieces, in_features, 16, dtype, "cuda")
+    for num_tokens in (1, 7, 256, 2048):
+        x, y = gpu_inputs(num_tokens, in_features, pieces, dtype)
+        slots = (prefill_slots(num_tokens, 8, slice(1000, 1100)) if num_tokens == 2048 else
+                 torch.randint(-1, 8, (num_tokens,), generator=torch.Generator().manual_seed(num_tokens)))
+        assert_folded_expand_matches_reference(x, a, b, y, slots.cuda(), pieces, GPU_TOL[dtype])
 
 
 @pytest.mark.gpu

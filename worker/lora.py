@@ -21,12 +21,20 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
-from kernels.lora import lora_expand, lora_shrink
+from kernels.lora import lora_expand, lora_expand_folded, lora_shrink
 from worker.context import get_context
 from worker.models.lora_checkpoint import PACKED_PIECES, LoRAWeights
 
 log = logging.getLogger("pagedserve.worker")
+
+
+# A plain (unquantized) linear takes its slots' A as extra rows of its own weight when they
+# add at most this share of its rows: its GEMM then computes every slot's shrink for a few
+# per cent more bytes, one launch fewer per projection (launches, not bytes, are what LoRA
+# costs at small batches: docs/BENCHMARKS.md).
+FOLD_MAX_EXTRA_ROWS = 1 / 8
 
 
 class LoRALinear(nn.Module):
@@ -36,18 +44,36 @@ class LoRALinear(nn.Module):
                  num_slots: int, max_rank: int, dtype: torch.dtype, device: torch.device):
         super().__init__()
         self.base, self.pieces, self.max_rank = base, pieces, max_rank
-        out_features = sum(size for _, size in pieces)
-        self.register_buffer("lora_a", torch.zeros(num_slots, len(pieces) * max_rank, in_features,
-                                                   dtype=dtype, device=device), persistent=False)
+        self.out_features = out_features = sum(size for _, size in pieces)
+        extra = num_slots * len(pieces) * max_rank
+        self.folded = type(base) is nn.Linear and extra <= FOLD_MAX_EXTRA_ROWS * out_features
+        if self.folded:
+            # weight = [W; A of slot 0; ...; A of slot S-1]; `lora_a` is a view of its tail,
+            # so loading a slot writes straight into the base GEMM's weight.
+            weight = torch.cat([base.weight.detach(), base.weight.new_zeros(extra, in_features)])
+            base.weight = nn.Parameter(weight, requires_grad=False)
+            if base.bias is not None:
+                base.bias = nn.Parameter(torch.cat([base.bias.detach(), base.bias.new_zeros(extra)]),
+                                         requires_grad=False)
+            lora_a = weight[out_features:].view(num_slots, len(pieces) * max_rank, in_features)
+        else:
+            lora_a = torch.zeros(num_slots, len(pieces) * max_rank, in_features, dtype=dtype,
+                                 device=device)
+        self.register_buffer("lora_a", lora_a, persistent=False)
         self.register_buffer("lora_b", torch.zeros(num_slots, out_features, max_rank, dtype=dtype,
                                                    device=device), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
         slots = get_context().lora_slots
-        if slots is None:
-            return y
-        return lora_expand(y, lora_shrink(x, self.lora_a, slots), self.lora_b, slots, self.pieces)
+        if not self.folded:
+            y = self.base(x)
+            if slots is None:
+                return y
+            return lora_expand(y, lora_shrink(x, self.lora_a, slots), self.lora_b, slots, self.pieces)
+        weight, bias, n = self.base.weight, self.base.bias, self.out_features
+        if slots is None:       # the leading rows alone: the base model's own GEMM
+            return F.linear(x, weight[:n], None if bias is None else bias[:n])
+        return lora_expand_folded(F.linear(x, weight, bias), n, self.lora_b, slots, self.pieces)
 
     def load_slot(self, slot: int, weights: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         """Puts one adapter's (a [P, r, in], b [out, r]) in `slot`; None leaves the slot inert

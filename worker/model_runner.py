@@ -226,7 +226,9 @@ class ModelRunner:
             block_tables=torch.zeros(1, -(-n // self.block_size), dtype=torch.int32, device=self.device),
             seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
             query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
-            max_query_len=n, max_seq_len=n))
+            max_query_len=n, max_seq_len=n,
+            # Adapters' activations count too (a folded linear's output is wider).
+            lora_slots=None if self.lora is None else torch.zeros(n, dtype=torch.int32, device=self.device)))
         empty_pool = torch.zeros(1, self.block_size, self.model_config.num_kv_heads,
                                  self.model_config.head_dim, dtype=self.kv_dtype, device=self.device)
         for layer in self.model.layers:

@@ -211,5 +211,9 @@ class Scheduler:
             self._admit(seq)
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
+        if self.lora is not None:
+            # Each adapter's tokens side by side: a tile of the LoRA kernels then meets one
+            # adapter or two instead of every one in the batch (kernels.triton_lora).
+            out.scheduled.sort(key=lambda s: s.seq.lora_slot)
         out.swaps, self.pending_swaps = self.pending_swaps, []
         return out
