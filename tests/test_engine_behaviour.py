@@ -203,6 +203,31 @@ def test_fcfs_serves_in_arrival_order(make_engine, ids):
     assert [o.request_id for o in first_outputs(engine)] == ["first"]
 
 
+def test_a_long_prompt_takes_at_most_the_long_prefill_threshold_a_step(make_engine, smollm_tokenizer):
+    """A document arriving first leaves room beside it: the short prompt behind it gets all
+    its tokens in the first step, the document 24 of them a step until it is done."""
+    engine = make_engine(max_num_batched_tokens=64, long_prefill_token_threshold=24)
+    story = smollm_tokenizer.encode(LONG_STORY, add_special_tokens=False)
+    engine.add_request("document", story[:100], greedy(2))
+    engine.add_request("short", story[100:120], greedy(2))
+    steps = []
+    while engine.has_unfinished():
+        engine.step()
+        steps.append({s.seq.request_id: s.num_tokens for s in engine.last_plan.scheduled})
+    assert steps[0] == {"document": 24, "short": 20}
+    assert [step["document"] for step in steps[:5]] == [24, 24, 24, 24, 4]
+
+
+def test_the_long_prefill_threshold_changes_no_output(make_engine, ids):
+    assert generate(make_engine(long_prefill_token_threshold=8), ids, greedy(6)) == \
+        generate(make_engine(), ids, greedy(6))
+
+
+def test_a_negative_long_prefill_threshold_is_refused(make_engine):
+    with pytest.raises(ValueError, match="long_prefill_token_threshold=-1 must be >= 0"):
+        make_engine(long_prefill_token_threshold=-1)
+
+
 def test_prompt_longer_than_max_model_len_rejected(make_engine, ids):
     engine = make_engine(max_model_len=32)
     with pytest.raises(InvalidRequest, match="prompt has .* tokens; the maximum is 31"):

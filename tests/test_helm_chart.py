@@ -209,6 +209,7 @@ ENGINE_VALUES = {
     "tensorParallelSize": ("tensor_parallel_size", 2),
     "gpuMemoryUtilization": ("gpu_memory_utilization", 0.5),
     "maxNumSeqs": ("max_num_seqs", 8), "maxNumBatchedTokens": ("max_num_batched_tokens", 512),
+    "longPrefillTokenThreshold": ("long_prefill_token_threshold", 256),
     "maxModelLen": ("max_model_len", 1024), "blockSize": ("block_size", 32),
     "swapSpace": ("swap_space_gb", 2.5), "preemptionMode": ("preemption_mode", "recompute"),
     "enablePrefixCaching": ("enable_prefix_caching", False),

@@ -66,6 +66,9 @@ class EngineConfig:
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    # Most prompt tokens one sequence computes in a step (0: up to the budget), vLLM's name: a
+    # long document then leaves room for the decodes and short prompts beside it.
+    long_prefill_token_threshold: int = 0
     max_model_len: int | None = None      # default: the model's, capped by the pool
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_gb: float = 1.0       # KV pool size on the CPU
@@ -106,6 +109,9 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= 1")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold={self.long_prefill_token_threshold} "
+                             f"must be >= 0 (0: no limit)")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
         if self.scheduling_policy not in ("fcfs", "priority"):

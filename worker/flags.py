@@ -17,7 +17,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         model=args.model, load_format=args.load_format, dtype=args.dtype,
         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, device=args.device,
         block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        long_prefill_token_threshold=args.long_prefill_token_threshold, max_model_len=args.max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory_gb=args.kv_cache_memory_gb,
         num_blocks=args.num_blocks, swap_space_gb=args.swap_space, num_swap_blocks=args.num_swap_blocks,
         preemption_mode=args.preemption_mode, enable_prefix_caching=args.enable_prefix_caching,
@@ -68,6 +69,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     a("--max-num-seqs", type=int, default=d.max_num_seqs, help="sequences per step")
     a("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
       help="token budget of one step (prefill chunks + decodes)")
+    a("--long-prefill-token-threshold", type=int, default=d.long_prefill_token_threshold,
+      help="most prompt tokens one request computes in a step (0: up to the step's budget)")
     a("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
     a("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
       help="share of GPU memory for weights, activations and the KV pool")

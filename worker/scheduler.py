@@ -1,8 +1,9 @@
 """Iteration-level scheduling under a per-step token budget.
 
 Every step takes the running sequences first (in priority order), giving each the tokens it
-still has to compute (one for a decode, a chunk for a prompt) while the token budget lasts,
-then admits waiting sequences with what is left. Prompt and generated tokens are the same
+still has to compute (one for a decode, a chunk for a prompt: at most
+`long_prefill_token_threshold` of it when that is set) while the token budget lasts, then
+admits waiting sequences with what is left. Prompt and generated tokens are the same
 thing here: a sequence just has tokens not yet computed. When the pool runs out of blocks the
 lowest-priority running sequence (the latest, under FCFS) is preempted: its blocks are copied
 to host swap space when there is room (and brought back when the pool has room again), else
@@ -63,6 +64,7 @@ class Scheduler:
                  lora: LoRASlots | None = None):
         self.max_num_seqs = config.max_num_seqs
         self.token_budget = config.max_num_batched_tokens
+        self.chunk_limit = config.long_prefill_token_threshold or config.max_num_batched_tokens
         self.priority_policy = config.scheduling_policy == "priority"
         self.preemption_mode = config.preemption_mode
         self.blocks = block_manager
@@ -176,7 +178,7 @@ class Scheduler:
                 # max_tokens 0, it is done once the step that computed it is read.
                 i += 1
                 continue
-            n = min(seq.num_uncomputed, budget)
+            n = min(seq.num_uncomputed, budget, self.chunk_limit)
             while not self.blocks.reserve(seq, seq.num_computed + n):
                 victim = self.running[-1]       # unscheduled: we schedule from the front
                 self.preempt(victim)
@@ -198,7 +200,7 @@ class Scheduler:
             if not self._take_lora_slot(seq):
                 continue            # every slot is pinned by other adapters' running sequences
             self.blocks.match_prefix(seq)
-            n = min(seq.num_uncomputed, budget)
+            n = min(seq.num_uncomputed, budget, self.chunk_limit)
             if not self.blocks.reserve(seq, seq.num_computed + n):
                 self._leave_lora_slot(seq)
                 # A waiting sequence holds no blocks: kept, its matched prefix could be all
