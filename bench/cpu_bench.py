@@ -2,7 +2,11 @@
 the engine against Hugging Face transformers' batched `generate` on the same machine and run,
 both in the same dtype.
 
-    python bench/cpu_bench.py [--dtype float32|bfloat16] [--requests 32] [--new-tokens 128] [--out r.json]
+    python bench/cpu_bench.py [--dtype float32|bfloat16] [--quantization none|int8] [--requests 32]
+                              [--new-tokens 128] [--out r.json]
+
+`--quantization int8` quantizes the engine's decoder linears on load (the peer stays in
+`--dtype`): what the engine offers on a CPU, against what transformers does by default.
 """
 
 import argparse
@@ -27,13 +31,13 @@ def make_prompts(count: int, seed: int = 0) -> list[str]:
     return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(16, 200))) for _ in range(count)]
 
 
-def bench_engine(prompts, new_tokens: int, dtype: str) -> dict:
+def bench_engine(prompts, new_tokens: int, dtype: str, quantization: str = "none") -> dict:
     from common.sampling_params import SamplingParams
     from worker.engine import LLMEngine
     from worker.config import EngineConfig
     from worker.models.loader import load_tokenizer
 
-    engine = LLMEngine(EngineConfig(model="default", device="cpu", dtype=dtype))
+    engine = LLMEngine(EngineConfig(model="default", device="cpu", dtype=dtype, quantization=quantization))
     tok = load_tokenizer(engine.source)
     ids = [tok.encode(p, add_special_tokens=False) for p in prompts]
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
@@ -75,12 +79,15 @@ def main() -> None:
     parser.add_argument("--skip-peer", action="store_true")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="of both the engine and the peer")
+    parser.add_argument("--quantization", default="none", choices=["none", "int8"],
+                        help="of the engine's decoder linears (the peer's stay in --dtype)")
     args = parser.parse_args()
     prompts = make_prompts(args.requests)
     result = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "threads": torch.get_num_threads(),
               "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                        text=True).stdout.strip(),
-              "dtype": args.dtype, "engine": bench_engine(prompts, args.new_tokens, args.dtype)}
+              "dtype": args.dtype, "quantization": args.quantization,
+              "engine": bench_engine(prompts, args.new_tokens, args.dtype, args.quantization)}
     print(f"pagedserve engine: {result['engine']['tokens_per_s']:.1f} output tokens/s "
           f"({result['engine']['output_tokens']} in {result['engine']['seconds']:.1f}s)", flush=True)
     if not args.skip_peer:

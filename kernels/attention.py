@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .cache import FP8_KV_DTYPE, gather_slots
+from .cache import FP8_KV_DTYPE, gather_blocks
 
 
 @dataclass
@@ -24,7 +24,7 @@ class GatherPlan:
     only on the batch layout, so one plan serves every layer of a step."""
     q_index: torch.Tensor      # [S, Q] row of q for each padded query
     q_valid: torch.Tensor      # [S, Q] which padded queries are real
-    slots: torch.Tensor        # [S, L] pool slot of each context position
+    blocks: torch.Tensor       # [S, ceil(L / block_size)] int64: each sequence's context blocks
     mask: torch.Tensor         # [S, 1, Q, L] causal and length mask
 
 
@@ -37,14 +37,12 @@ def gather_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_
     q_index = (query_start_loc[:-1, None] + q_offsets[None, :]).clamp(max=num_tokens - 1).long()
 
     num_ctx_blocks = (max_seq_len + block_size - 1) // block_size
-    slot_offsets = torch.arange(block_size, device=device)
-    slots = block_tables[:, :num_ctx_blocks, None].long() * block_size + slot_offsets
-    slots = slots.reshape(seq_lens.shape[0], -1)[:, :max_seq_len]
+    blocks = block_tables[:, :num_ctx_blocks].long()
 
     key_pos = torch.arange(max_seq_len, device=device)
     query_pos = (seq_lens - q_lens)[:, None] + q_offsets[None, :]
     mask = (key_pos[None, None, :] <= query_pos[:, :, None]) & (key_pos[None, None, :] < seq_lens[:, None, None])
-    return GatherPlan(q_index, q_valid, slots, mask[:, None])
+    return GatherPlan(q_index, q_valid, blocks, mask[:, None])
 
 
 def paged_attention_ref(
@@ -70,8 +68,9 @@ def paged_attention_ref(
     # Half-precision SDPA on the CPU takes its slow path: compute in float32 there.
     dtype = torch.float32 if q.device.type == "cpu" else q.dtype
     q_pad = q[plan.q_index].transpose(1, 2).to(dtype)                             # [S, H, Q, D]
-    k = gather_slots(k_cache, plan.slots).transpose(1, 2).to(dtype)               # [S, KVH, L, D]
-    v = gather_slots(v_cache, plan.slots).transpose(1, 2).to(dtype)
+    length = plan.mask.shape[-1]
+    k = gather_blocks(k_cache, plan.blocks, length).transpose(1, 2).to(dtype)    # [S, KVH, L, D]
+    v = gather_blocks(v_cache, plan.blocks, length).transpose(1, 2).to(dtype)
     if k_scale is not None:
         k = k * k_scale.to(dtype)[None, :, None, None]
     if v_scale is not None:

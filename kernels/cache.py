@@ -39,11 +39,16 @@ def write_kv_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
         _as_bytes(cache).view(-1, num_kv_heads, head_dim)[slots] = rows
 
 
-def gather_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """`cache[num_blocks, block_size, num_kv_heads, head_dim]`'s rows at `slots[...]`:
-    `[..., num_kv_heads, head_dim]`, in the pool's dtype."""
-    num_kv_heads, head_dim = cache.shape[2:]
-    return _as_bytes(cache).view(-1, num_kv_heads, head_dim)[slots].view(cache.dtype)
+def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:
+    """Each sequence's first `length` positions, its blocks `blocks[S, nb]` (int64) of
+    `cache[num_blocks, block_size, num_kv_heads, head_dim]` in order: `[S, length,
+    num_kv_heads, head_dim]`, in the pool's dtype. Whole blocks move with `index_select`,
+    several times faster on the CPU than indexing row by row (docs/BENCHMARKS.md)."""
+    num_seqs, num_ctx_blocks = blocks.shape
+    block_size, num_kv_heads, head_dim = cache.shape[1:]
+    picked = _as_bytes(cache).index_select(0, blocks.reshape(-1))
+    picked = picked.view(num_seqs, num_ctx_blocks * block_size, num_kv_heads, head_dim)[:, :length]
+    return picked.view(cache.dtype)
 
 
 def write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:

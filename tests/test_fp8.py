@@ -292,7 +292,7 @@ def test_fp8_linears_of_a_layer_replay_in_a_cuda_graph_captured_first(m, monkeyp
 # ------------------------------------------------------------------------------ settings and devices
 
 def test_unknown_quantization_is_refused_naming_the_allowed_values():
-    with pytest.raises(ValueError, match="quantization='int4' is not supported: use one of none, fp8, gptq, awq, "
+    with pytest.raises(ValueError, match="quantization='int4' is not supported: use one of none, fp8, int8, gptq, awq, "
                                          "compressed-tensors"):
         EngineConfig(model="default", quantization="int4").validate()
 

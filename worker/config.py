@@ -4,10 +4,10 @@ from dataclasses import dataclass, field
 
 # --quantization values: how the decoder's linear layers compute (vLLM's names). "none" keeps the
 # weights as the checkpoint has them (a pre-quantized checkpoint stays quantized); "fp8" also
-# quantizes a high-precision one on load. "gptq", "awq" and "compressed-tensors" name a
+# quantizes a high-precision one on load, and "int8" the same in int8 (CPU only). "gptq", "awq" and "compressed-tensors" name a
 # pre-quantized checkpoint's format: they run a checkpoint of that quant_method as stored (as
 # "none" does) and refuse any other, since nothing here computes 4-bit weights from real ones.
-QUANTIZATION_METHODS = ("none", "fp8", "gptq", "awq", "compressed-tensors")
+QUANTIZATION_METHODS = ("none", "fp8", "int8", "gptq", "awq", "compressed-tensors")
 # --kv-cache-dtype values: "auto" stores K/V in the model's dtype; "fp8" (alias "fp8_e4m3") in
 # float8 e4m3 with a scale per layer or per KV head, half the bytes of 16-bit K/V.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")

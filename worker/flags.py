@@ -57,7 +57,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     a("--quantization", default=d.quantization, choices=QUANTIZATION_METHODS,
       help="fp8: W8A8 decoder linears (weights quantized per output channel on load, "
            "activations per token at run time; needs compute capability 8.9+, emulated on the "
-           "CPU); none: the weights as stored (a pre-quantized FP8 or 4-bit checkpoint runs as "
+           "CPU); int8: W8A8 int8 linears, quantized on load the same way (CPU only); none: the weights as stored (a pre-quantized FP8 or 4-bit checkpoint runs as "
            "stored); gptq, awq, compressed-tensors: a checkpoint of that quant_method, as stored "
            "(W4A16 for 4-bit ones), any other refused")
     a("--kv-cache-dtype", default=d.kv_cache_dtype, choices=KV_CACHE_DTYPES,

@@ -14,6 +14,8 @@ packs them (`checkpoint_tensors`), and what happens once every weight is in (`af
 - A Hugging Face `fp8` checkpoint with block scales (128 x 128 in the published ones): each
   weight's blocks are dequantized as it is read, and the layers are requantized per output
   channel after loading (no block-scaled GEMM yet).
+- `--quantization int8` (CPU only so far): the same on load, each linear becoming an
+  `Int8Linear` (int8 W8A8: weights per output channel, activations per token, `kernels.int8`).
 - A 4-bit weight-only checkpoint (W4A16): GPTQ (v1 and v2), AWQ (GEMM) or compressed-tensors
   `pack-quantized`. The model is built with `W4Linear`; each linear's tensors are read whole,
   repacked into the one canonical layout of `kernels.w4_weight` (`worker.models.w4_formats`), and
@@ -38,6 +40,7 @@ import torch
 from torch import nn
 
 from kernels.fp8 import FP8_DTYPE, dequantize_blocks, fp8_linear, per_channel_quant
+from kernels.int8 import int8_linear, per_channel_quant_int8
 from kernels.w4_weight import PACK, W4Weight
 from kernels.w4a16 import w4a16_matmul
 from worker.config import CheckpointQuantization, ModelConfig
@@ -94,6 +97,30 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fp8_linear(x, self.weight, self.weight_scale, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class Int8Linear(nn.Module):
+    """`x @ (weight * weight_scale[:, None]).T + bias` with `weight` int8 `[out, in]`, one fp32
+    scale per output channel, and `x` quantized to int8 per token (`kernels.int8`)."""
+
+    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.weight_scale = nn.Parameter(weight_scale, requires_grad=False)
+        self.bias = bias
+
+    @classmethod
+    @torch.no_grad()
+    def from_linear(cls, linear: nn.Linear) -> "Int8Linear":
+        """The int8 copy of `linear` (its bias is shared, not copied)."""
+        return cls(*per_channel_quant_int8(linear.weight), linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return int8_linear(x, self.weight, self.weight_scale, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -349,6 +376,25 @@ class Fp8BlockCheckpoint(Fp8OnLoad):
                              f"weights: {sorted(pending)[:3]}")
 
 
+class Int8OnLoad(LinearMethod):
+    """`--quantization int8` on high-precision weights (or GGUF, dequantized first): each
+    decoder linear is loaded as `nn.Linear`, then replaced by its `Int8Linear`."""
+
+    asked = "--quantization int8"
+    description = "int8 W8A8, quantized on load per output channel (activations per token)"
+
+    def check_device(self, device: torch.device) -> None:
+        if device.type != "cpu":
+            raise ValueError(f"{self.asked} runs on the CPU only (its GEMM has not been measured on a GPU "
+                             f"yet); allowed on {device.type}: --quantization fp8 (W8A8 in float8) or none")
+
+    def after_loading(self, model: nn.Module) -> None:
+        quantize_decoder_linears(model, Int8Linear.from_linear)
+
+
+ON_LOAD = {"fp8": Fp8OnLoad, "int8": Int8OnLoad}   # --quantization values that quantize as they load
+
+
 @torch.no_grad()
 def quantize_decoder_linears(model: nn.Module,
                              convert: Callable[[nn.Linear], nn.Module] = Fp8Linear.from_linear) -> None:
@@ -564,7 +610,7 @@ def _check_groups_in_order(name: str, g_idx: torch.Tensor, group_size: int) -> N
 def allowed_quantizations(checkpoint: CheckpointQuantization | None) -> tuple[str, ...]:
     """The --quantization values that run a checkpoint quantized as `checkpoint`."""
     if checkpoint is None or checkpoint.quant_method == "gguf":
-        return "none", "fp8"        # fp8 on GGUF: dequantized, then quantized on load
+        return ("none", *ON_LOAD)   # fp8 or int8 on GGUF: dequantized, then quantized on load
     fp8 = ("fp8",) if checkpoint.method == "fp8" and checkpoint.quant_method != "fp8" else ()
     return ("none", checkpoint.quant_method) + fp8
 
@@ -572,8 +618,8 @@ def allowed_quantizations(checkpoint: CheckpointQuantization | None) -> tuple[st
 def quantization_label(quantization: str, checkpoint: CheckpointQuantization | None) -> str:
     """What the decoder linears are, for Info and the metrics: `none`, `fp8` (quantized on
     load), or the checkpoint's quant_method and scheme (`gptq w4a16`, `gguf Q4_0`, ...)."""
-    if checkpoint is None or quantization == "fp8" and checkpoint.quant_method == "gguf":
-        return quantization if quantization == "fp8" else "none" if quantization == "none" else f"{quantization} w4a16"
+    if checkpoint is None or quantization in ON_LOAD and checkpoint.quant_method == "gguf":
+        return quantization if quantization in ON_LOAD or quantization == "none" else f"{quantization} w4a16"
     scheme = checkpoint.checkpoint_format if checkpoint.quant_method == "gguf" else checkpoint.method
     return f"{checkpoint.quant_method} {scheme}"
 
@@ -591,13 +637,15 @@ def linear_method(quantization: str, checkpoint: CheckpointQuantization | None,
                          f"and nothing here rounds weights to 4 bits on load; allowed: "
                          f"{', '.join(allowed_quantizations(None))} (fp8: quantized on load)")
     if checkpoint is None:
-        return Fp8OnLoad() if quantization == "fp8" else LinearMethod()
+        return ON_LOAD[quantization]() if quantization in ON_LOAD else LinearMethod()
     if quantization not in allowed_quantizations(checkpoint):
         raise ValueError(f"--quantization {quantization} does not fit this checkpoint, quantized by "
                          f"{checkpoint.quant_method} ({checkpoint.method}) as its quantization_config says; "
                          f"allowed: {', '.join(allowed_quantizations(checkpoint))}")
     if checkpoint.quant_method == "gguf":       # (random weights of a GGUF's shape: high precision, as ever)
-        return Fp8OnLoad() if quantization == "fp8" else (LinearMethod() if dummy else GgufCheckpoint(checkpoint))
+        if quantization in ON_LOAD:
+            return ON_LOAD[quantization]()
+        return LinearMethod() if dummy else GgufCheckpoint(checkpoint)
     if dummy:       # random weights are drawn in high precision: rounded on load as the checkpoint's are
         return (Fp8OnLoad() if checkpoint.method == "fp8"
                 else W4OnLoad(f"--load-format dummy with a {checkpoint.quant_method} config", checkpoint.group_size))
