@@ -1,5 +1,6 @@
 """Small helpers shared by the tests."""
 
+import math
 import os
 import subprocess
 import sys
@@ -154,3 +155,9 @@ def run_interpreter_tests(test_file: str) -> None:
         cwd=repo, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     assert " passed" in result.stdout
+
+
+def perplexity(logits: torch.Tensor, ids: list[int]) -> float:
+    """exp of the mean negative log-likelihood of each token of `ids` after the first, from the
+    teacher-forced `logits` of every position."""
+    return math.exp(torch.nn.functional.cross_entropy(logits[:-1].float(), torch.tensor(ids[1:])).item())

@@ -6,11 +6,10 @@ Measured when written, teacher-forced over LONG_STORY (150 tokens): perplexity 6
 float32 (the embedded GGUF, dequantized), 68.82 in int8 (+4.0 %); the test allows +10 %.
 """
 
-import math
 
 import pytest
 import torch
-from helpers import LONG_STORY, PROMPTS, generate, greedy
+from helpers import LONG_STORY, PROMPTS, generate, greedy, perplexity
 
 from kernels.int8 import INT8_MAX, int8_linear, int8_linear_ref, per_channel_quant_int8, per_token_quant_int8
 from worker.config import EngineConfig
@@ -91,10 +90,6 @@ def int8_engine():
                                     num_blocks=512))
     yield engine
     engine.close()
-
-
-def perplexity(logits: torch.Tensor, ids: list[int]) -> float:
-    return math.exp(torch.nn.functional.cross_entropy(logits[:-1].float(), torch.tensor(ids[1:])).item())
 
 
 def test_smollm2_in_int8_reports_its_quantization(int8_engine):

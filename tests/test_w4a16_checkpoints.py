@@ -32,12 +32,11 @@ Tolerances, measured on this CPU (float32 throughout):
 import copy
 import json
 import logging
-import math
 import zlib
 
 import pytest
 import torch
-from helpers import LONG_STORY, PROMPTS, generate, greedy, tiny_hf_model, tiny_llama
+from helpers import LONG_STORY, PROMPTS, generate, greedy, perplexity, tiny_hf_model, tiny_llama
 from safetensors.torch import save_file
 
 from kernels.w4_weight import dequantize_ref
@@ -423,11 +422,6 @@ def smollm_w4a16(smollm_w4a16_path):
     engine = LLMEngine(EngineConfig(model=str(smollm_w4a16_path), device="cpu", dtype="float32", num_blocks=256))
     yield engine
     engine.close()
-
-
-def perplexity(logits: torch.Tensor, ids: list[int]) -> float:
-    """exp of the mean negative log-likelihood of each token after the first."""
-    return math.exp(torch.nn.functional.cross_entropy(logits[:-1].float(), torch.tensor(ids[1:])).item())
 
 
 def test_smollm2_in_w4a16_logits_equal_transformers_on_the_same_checkpoint(smollm_w4a16, smollm_w4a16_path,
