@@ -68,7 +68,7 @@ def paged_attention_ref(
     # Half-precision SDPA on the CPU takes its slow path: compute in float32 there.
     dtype = torch.float32 if q.device.type == "cpu" else q.dtype
     q_pad = q[plan.q_index].transpose(1, 2).to(dtype)                             # [S, H, Q, D]
-    length = plan.mask.shape[-1]
+    length = plan.mask.shape[-1]                  # L, the context the plan covers
     k = gather_blocks(k_cache, plan.blocks, length).transpose(1, 2).to(dtype)    # [S, KVH, L, D]
     v = gather_blocks(v_cache, plan.blocks, length).transpose(1, 2).to(dtype)
     if k_scale is not None:

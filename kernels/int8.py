@@ -15,19 +15,23 @@ import torch
 INT8_MAX = 127
 
 
-def per_channel_quant_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 `[N, K]`, fp32 scale `[N]`): each output channel over its own absolute maximum."""
-    w = weight.float()
-    scale = w.abs().amax(dim=1).clamp(min=1e-12) / INT8_MAX
-    return (w / scale[:, None]).round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scale
+def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of `x [R, C]` over its own absolute maximum: (int8 `[R, C]`, fp32 scale
+    `[R, 1]`); a row of zeros gets a tiny scale and stays zeros."""
+    x = x.float()
+    scale = x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / INT8_MAX
+    return (x / scale).round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scale
 
 
 def per_token_quant_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 `[M, K]`, fp32 scale `[M, 1]`): each row over its own absolute maximum (a row of
-    zeros gets a tiny scale and stays zeros)."""
-    x = x.float()
-    scale = x.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / INT8_MAX
-    return (x / scale).round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scale
+    """Activations `[M, K]` to (int8 `[M, K]`, fp32 scale `[M, 1]`)."""
+    return _quantize_rows(x)
+
+
+def per_channel_quant_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight `[N, K]` to (int8 `[N, K]`, fp32 scale `[N]`): one scale per output channel."""
+    w_q, scale = _quantize_rows(weight)
+    return w_q, scale.view(-1)
 
 
 def int8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
