@@ -282,8 +282,11 @@ def long_prompts_while_decoding(make: Make, lengths: list[int], num_decoders: in
         engine = make()
         budget = engine.config.max_num_batched_tokens
         assert budget > num_decoders, f"a step budget of {budget} leaves no room for a prefill chunk"
-        # The decoders must outlast the prefill.
-        prefill_steps = math.ceil(length / (budget - num_decoders))
+        # The decoders must outlast the prefill, whose chunks the long-prefill threshold caps.
+        chunk = budget - num_decoders
+        if engine.config.long_prefill_token_threshold:
+            chunk = min(chunk, engine.config.long_prefill_token_threshold)
+        prefill_steps = math.ceil(length / chunk)
         decode_params = greedy(prefill_steps + 16)
         rng = random.Random(seed + 7 * length)
         decoders = [random_prompt(rng, decoder_prompt_len, engine.vocab_size) for _ in range(num_decoders)]

@@ -4,6 +4,8 @@ meaningful). Each runs with asynchronous scheduling on and off. The GPU suite
 (tests/test_gpu_stress.py, at GPU sizes) also runs each with CUDA graphs on and off; on the CPU
 there are none (`enforce_eager` changes nothing), so that axis is left out here."""
 
+import functools
+
 import pytest
 import stress
 import torch
@@ -57,6 +59,11 @@ def test_lone_long_prompts_up_to_max_model_len(make):
 @pytest.mark.parametrize("num_decoders", [8, 16])
 def test_long_prompts_while_others_decode(make, num_decoders):
     stress.long_prompts_while_decoding(make, [1024, MAX_MODEL_LEN - 8], num_decoders)
+
+
+def test_long_prompts_while_others_decode_under_a_long_prefill_threshold(make):
+    capped = functools.partial(make, long_prefill_token_threshold=64)
+    stress.long_prompts_while_decoding(capped, [1024], 16)
 
 
 @pytest.mark.parametrize("batch_size", [1, 2, 16, 63])

@@ -13,6 +13,7 @@ prefill takes tens of seconds, so the full doubling ladder runs in one configura
 only its top length in the others. Run them all with `python bench/gpu_stress.py`.
 """
 
+import functools
 import gc
 
 import pytest
@@ -80,6 +81,11 @@ def make(request, tiny):
 @pytest.mark.parametrize("num_decoders", [8, 32])
 def test_long_prompts_while_others_decode(make, num_decoders):
     stress.long_prompts_while_decoding(make, [1024, TINY_MAX_LEN - 8], num_decoders)
+
+
+def test_long_prompts_while_others_decode_under_a_long_prefill_threshold(make):
+    capped = functools.partial(make, long_prefill_token_threshold=512)
+    stress.long_prompts_while_decoding(capped, [1024, TINY_MAX_LEN - 8], 32)
 
 
 @pytest.mark.parametrize("batch_size", [1, 16, 100, 256])   # 100: a CUDA graph replayed with padding
