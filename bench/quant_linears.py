@@ -10,6 +10,8 @@ as decode steps run, and prints the bandwidth each reaches over its weight bytes
   W8A8 path is also split into its parts: the activations' quantization alone, and the
   GEMM alone with rowwise scales and with one scale per tensor (cuBLAS' own FP8 path).
 * `w4a16`: `kernels.w4a16.w4a16_matmul` (Triton), group 128.
+* `gguf_q4_1`, `gguf_q4_k`: the same kernel on the layouts GGUF Q4_1 and Q4_K files keep
+  (group 32 with a float offset per group; float16 and float32 scales and offsets).
 
 Each layer's weight is read once per token step in the engine, and the 8B model is far larger
 than the L2 cache, so each measurement rotates through copies of the weight (together over
@@ -47,16 +49,19 @@ GROUP = 128
 ROTATE_BYTES = 256e6     # several times the H200's 50 MB L2
 
 
-def w4_of(k: int, n: int, g: torch.Generator) -> W4Weight:
+def w4_of(k: int, n: int, g: torch.Generator, group: int = GROUP, scales_dtype: torch.dtype = torch.bfloat16,
+          offsets: bool = False) -> W4Weight:
     values = torch.randint(0, 16, (k, n), generator=g, dtype=torch.int32)
-    scales = (torch.rand(k // GROUP, n, generator=g) * 0.02 + 0.001).to(torch.bfloat16)
-    zeros = torch.full((k // GROUP, n), 8, dtype=torch.uint8)
-    return W4Weight.from_values(values, scales, zeros, GROUP).to("cuda")
+    scales = (torch.rand(k // group, n, generator=g) * 0.02 + 0.001).to(scales_dtype)
+    zeros = torch.full((k // group, n), 0 if offsets else 8, dtype=torch.uint8)
+    return W4Weight.from_values(values, scales, zeros, group,
+                                offsets=-8 * scales if offsets else None).to("cuda")
 
 
 def nbytes(w) -> int:
     if isinstance(w, W4Weight):
-        return w.qweight.numel() * 4 + w.scales.numel() * w.scales.element_size() + w.zeros.numel()
+        offsets = 0 if w.offsets is None else w.offsets.numel() * w.offsets.element_size()
+        return w.qweight.numel() * 4 + w.scales.numel() * w.scales.element_size() + w.zeros.numel() + offsets
     if isinstance(w, tuple):
         return sum(t.numel() * t.element_size() for t in w)
     return w.numel() * w.element_size()
@@ -69,7 +74,8 @@ def copies_of(w, hot: bool) -> list:
     def clone(w):
         if isinstance(w, W4Weight):
             return W4Weight(w.qweight.clone(), w.scales.clone(), w.zeros.clone(), w.group_size,
-                            w.in_features, w.out_features, w.perm)
+                            w.in_features, w.out_features, w.perm,
+                            None if w.offsets is None else w.offsets.clone())
         if isinstance(w, tuple):
             return tuple(t.clone() for t in w)
         return w.clone()
@@ -106,7 +112,9 @@ def main_table(args) -> None:
     weights = {}
     for name, (k, n) in SHAPES.items():
         bf16 = (torch.randn(n, k, generator=g) * k ** -0.5).to(torch.bfloat16).cuda()
-        base = {"bf16": bf16, "fp8": per_channel_quant(bf16), "w4a16": w4_of(k, n, g)}
+        base = {"bf16": bf16, "fp8": per_channel_quant(bf16), "w4a16": w4_of(k, n, g),
+                "gguf_q4_1": w4_of(k, n, g, 32, torch.float16, offsets=True),
+                "gguf_q4_k": w4_of(k, n, g, 32, torch.float32, offsets=True)}
         weights[name] = {fmt: copies_of(w, args.l2_hot) for fmt, w in base.items()}
 
     # Correctness first: each fast path against its reference, on every shape, M = 5 and 64.
@@ -119,8 +127,9 @@ def main_table(args) -> None:
             checks[f"fp8_{name}_m{m}"] = rel_error(fp8_linear(x, w_q, w_scale), ref)
             checks[f"fp8_w8a8_{name}_m{m}"] = rel_error(fp8_linear_w8a8(x, w_q, w_scale),
                                                          fp8_linear_ref(x, w_q, w_scale))
-            w4 = weights[name]["w4a16"][0]
-            checks[f"w4a16_{name}_m{m}"] = rel_error(w4a16_matmul(x, w4), w4a16_matmul_ref(x, w4))
+            for kind in ("w4a16", "gguf_q4_1", "gguf_q4_k"):
+                w4 = weights[name][kind][0]
+                checks[f"{kind}_{name}_m{m}"] = rel_error(w4a16_matmul(x, w4), w4a16_matmul_ref(x, w4))
     print("max relative errors: " + json.dumps({k: f"{v:.1e}" for k, v in checks.items()}), flush=True)
     assert max(checks.values()) < 2e-2, checks
 
@@ -140,6 +149,8 @@ def main_table(args) -> None:
             x.to(w[0].dtype), w[0].t(), scale_a=one.view(()), scale_b=one.view(()),
             out_dtype=torch.bfloat16), "fp8"),
         "w4a16": (w4a16_matmul, "w4a16"),
+        "gguf_q4_1": (w4a16_matmul, "gguf_q4_1"),
+        "gguf_q4_k": (w4a16_matmul, "gguf_q4_k"),
     }
     results = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(),
                "torch": torch.__version__, "l2_hot": args.l2_hot, "w8a16_max_m": W8A16_MAX_M,

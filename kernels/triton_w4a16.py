@@ -6,8 +6,12 @@ the `BLOCK_K // 8` int32 words of each column once (one load of `[BLOCK_K // 8, 
 coalesced along N) and expands the nibbles in registers, with no integer-to-float
 conversion (a quarter-rate instruction; at small M the unpacking, not the tensor cores or
 the memory, is what limits): a nibble q OR-ed into a float's mantissa is an exact float of
-q. A K-tile never straddles a group (`BLOCK_K` divides the group size, or the weight is one
-group), so the tile's zero points and scales are one row each. Two modes (`MODE`):
+q. A K-tile holds whole groups or lies within one: `BLOCK_K` divides the group size, or the
+weight is one group, and the tile's zero points, scales and offsets (`W4Weight.offsets`,
+where the format has them) are one row each; or the group size is a power of two below
+`BLOCK_K` (GGUF's 32 and 16), and the tile loads one row per group it spans (small groups
+would otherwise make short tiles: a group-32 weight ran at 0.4-0.6 of group 128's speed).
+Two modes (`MODE`):
 
 * "dot" (M > 1): word row r becomes the packed rows 8r..8r+7 (`0x4B000000 | q` is the float
   2**23 + q; minus 2**23 + z gives the exact integer q - z, exact in every activation dtype),
@@ -61,29 +65,53 @@ def _expand(words, shifts, z):
 
 
 @triton.jit
-def _w4_tile(qweight, zeros, scales, tile, offs_w, offs_n, n_ok, w_limit, max_group, group_size,
-             stride_qk, stride_sg, stride_zg, WORDS: tl.constexpr, BLOCK_K: tl.constexpr):
+def _per_word_row(t, TILE_GROUPS: tl.constexpr, WORDS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[TILE_GROUPS, BLOCK_N] -> each word row's [WORDS, BLOCK_N] (a word's 8 rows lie in one
+    group: groups are multiples of 16 rows), or [1, BLOCK_N] to broadcast for one group."""
+    if TILE_GROUPS == 1:
+        return t
+    rows = tl.broadcast_to(t[:, None, :], (TILE_GROUPS, WORDS // TILE_GROUPS, BLOCK_N))
+    return tl.reshape(rows, (WORDS, BLOCK_N))
+
+
+@triton.jit
+def _w4_tile(qweight, zeros, scales, offsets, tile, offs_w, offs_n, n_ok, w_limit, max_group,
+             group_size, stride_qk, stride_sg, stride_zg, stride_og, WORDS: tl.constexpr,
+             BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, TILE_GROUPS: tl.constexpr,
+             HAS_OFFSET: tl.constexpr):
     """K-tile `tile`'s words [WORDS, BLOCK_N] (word rows from `w_limit` on read as 0) and
-    its group's zero points and scales as float32 [BLOCK_N] (the group index clamped, so the
-    tile after a split's last one can be asked for: its words are all masked)."""
+    its groups' zero points, scales and offsets (0 without) as float32 for each word row
+    (`_per_word_row`). Group indices are clamped, so the tile after a split's last one can be
+    asked for (its words are all masked), and rows past K read the last group's (they
+    multiply activations loaded as 0)."""
     word_rows = tile * WORDS + offs_w
     words = tl.load(qweight + word_rows[:, None] * stride_qk + offs_n[None, :],
                     mask=(word_rows < w_limit)[:, None] & n_ok[None, :], other=0)
-    group = tl.minimum((tile * BLOCK_K) // group_size, max_group)
-    z = tl.load(zeros + group * stride_zg + offs_n, mask=n_ok, other=0).to(tl.float32)
-    s = tl.load(scales + group * stride_sg + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-    return words, z, s
+    groups = tl.minimum((tile * BLOCK_K) // group_size + tl.arange(0, TILE_GROUPS), max_group)
+    rows, cols, ok = groups[:, None], offs_n[None, :], n_ok[None, :]
+    z = tl.load(zeros + rows * stride_zg + cols, mask=ok, other=0).to(tl.float32)
+    s = tl.load(scales + rows * stride_sg + cols, mask=ok, other=0.0).to(tl.float32)
+    if HAS_OFFSET:
+        o = tl.load(offsets + rows * stride_og + cols, mask=ok, other=0.0).to(tl.float32)
+    else:
+        o = tl.zeros_like(s)
+    return (words, _per_word_row(z, TILE_GROUPS, WORDS, BLOCK_N), _per_word_row(s, TILE_GROUPS, WORDS, BLOCK_N),
+            _per_word_row(o, TILE_GROUPS, WORDS, BLOCK_N))
 
 
 @triton.jit(do_not_specialize=["M", "tiles_per_split"])
-def _w4a16_kernel(out, partial, counters, x, qweight, scales, zeros, perm, M, N, K, group_size,
-                  tiles_per_split, stride_xm, stride_xk, stride_om, stride_qk, stride_sg,
-                  stride_zg, HAS_PERM: tl.constexpr, SPLIT: tl.constexpr, MODE: tl.constexpr,
+def _w4a16_kernel(out, partial, counters, x, qweight, scales, zeros, offsets, perm, M, N, K,
+                  group_size, tiles_per_split, stride_xm, stride_xk, stride_om, stride_qk,
+                  stride_sg, stride_zg, stride_og, HAS_PERM: tl.constexpr,
+                  HAS_OFFSET: tl.constexpr, SPLIT: tl.constexpr, MODE: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr):
-    """MODE "dot": acc [M, N] += x [M, K] @ (q - z) [K, N] on the tensor cores. "fma":
-    BLOCK_M == 1, no tensor cores: each weight multiplied into the one row of x on the FMA
-    units, three instructions per weight (batch-1 decode: 1.4-2x the dot's speed there)."""
+                  TILE_GROUPS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """MODE "dot": acc [M, N] += x [M, K] @ (q - z) [K, N] on the tensor cores, scaled after
+    the dot when the tile is one group; a tile of several groups (TILE_GROUPS > 1) has its
+    weights dequantized in registers, `(q - z) * s + o`, before one dot. "fma": BLOCK_M == 1,
+    no tensor cores: each weight multiplied into the one row of x on the FMA units, three
+    instructions per weight (batch-1 decode: 1.4-2x the dot's speed there), each word row
+    scaled by its group's scale. Offsets add `offset * sum(x)` over each group's inputs."""
     WORDS: tl.constexpr = BLOCK_K // 8
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -103,16 +131,16 @@ def _w4a16_kernel(out, partial, counters, x, qweight, scales, zeros, perm, M, N,
         # Register prefetch: the next K-tile's words, zero points and scales are loaded
         # before this tile's arithmetic, so their latency overlaps it (these loads feed ALU
         # work, not a dot, so Triton's pipeliner does not stage them). Measured 5-15 % faster.
-        words, z, s = _w4_tile(qweight, zeros, scales, first, offs_w, offs_n, n_ok, w_limit,
-                               max_group, group_size, stride_qk, stride_sg, stride_zg,
-                               WORDS, BLOCK_K)
+        words, z, s, o = _w4_tile(qweight, zeros, scales, offsets, first, offs_w, offs_n, n_ok,
+                                  w_limit, max_group, group_size, stride_qk, stride_sg,
+                                  stride_zg, stride_og, WORDS, BLOCK_K, BLOCK_N, TILE_GROUPS, HAS_OFFSET)
         for tile in range(first, last):
             word_rows = tile * WORDS + offs_w
             # K is a multiple of 8: a word row is in range exactly when its 8 rows are.
             w_ok = word_rows < K // 8
-            nxt = _w4_tile(qweight, zeros, scales, tile + 1, offs_w, offs_n, n_ok, w_limit,
-                           max_group, group_size, stride_qk, stride_sg, stride_zg,
-                           WORDS, BLOCK_K)
+            nxt = _w4_tile(qweight, zeros, scales, offsets, tile + 1, offs_w, offs_n, n_ok,
+                           w_limit, max_group, group_size, stride_qk, stride_sg, stride_zg,
+                           stride_og, WORDS, BLOCK_K, BLOCK_N, TILE_GROUPS, HAS_OFFSET)
             part = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
             x_sum = tl.zeros((WORDS,), dtype=tl.float32)
             for j in tl.static_range(8):
@@ -131,8 +159,10 @@ def _w4a16_kernel(out, partial, counters, x, qweight, scales, zeros, perm, M, N,
                 x_sum += a
             # sum_j (q_j - z) a_j = 16 sum_j (1 + q_j / 16) a_j - (16 + z) sum_j a_j: the
             # terms are of the size of the result, so little cancels (error ~1e-7 relative).
-            acc2 += (16.0 * part - (z + 16.0)[None, :] * x_sum[:, None]) * s[None, :]
-            words, z, s = nxt
+            acc2 += (16.0 * part - (z + 16.0) * x_sum[:, None]) * s
+            if HAS_OFFSET:
+                acc2 += x_sum[:, None] * o
+            words, z, s, o = nxt
         acc = tl.sum(acc2, axis=0)[None, :]
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -145,15 +175,26 @@ def _w4a16_kernel(out, partial, counters, x, qweight, scales, zeros, perm, M, N,
                 src_k = offs_k
             a = tl.load(x_rows[:, None] + src_k[None, :] * stride_xk,
                         mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            words, z, s = _w4_tile(qweight, zeros, scales, tile, offs_w, offs_n, n_ok, w_limit,
-                                   max_group, group_size, stride_qk, stride_sg, stride_zg,
-                                   WORDS, BLOCK_K)
+            words, z, s, o = _w4_tile(qweight, zeros, scales, offsets, tile, offs_w, offs_n, n_ok,
+                                      w_limit, max_group, group_size, stride_qk, stride_sg,
+                                      stride_zg, stride_og, WORDS, BLOCK_K, BLOCK_N, TILE_GROUPS, HAS_OFFSET)
             # [WORDS, 8, BLOCK_N] -> [BLOCK_K, BLOCK_N]: row 8r + j is nibble j of word r.
             # q - z in -16..15 is exact in every activation dtype; rows past K multiply
             # activations loaded as 0.
-            b = _expand(words[:, None, :], shifts[None, :, None], z[None, None, :])
-            b = tl.reshape(b.to(a.dtype), (BLOCK_K, BLOCK_N))
-            acc += tl.dot(a, b, input_precision=DOT_PRECISION) * s[None, :]
+            b = _expand(words[:, None, :], shifts[None, :, None], z[:, None, :])
+            if TILE_GROUPS == 1:
+                b = tl.reshape(b.to(a.dtype), (BLOCK_K, BLOCK_N))
+                acc += tl.dot(a, b, input_precision=DOT_PRECISION) * s
+                if HAS_OFFSET:
+                    acc += tl.sum(a.to(tl.float32), axis=1)[:, None] * o
+            else:
+                # Each weight rounded to the activations' dtype once, as the reference's
+                # dequantized weight is.
+                b = b * s[:, None, :]
+                if HAS_OFFSET:
+                    b += o[:, None, :]
+                b = tl.reshape(b.to(a.dtype), (BLOCK_K, BLOCK_N))
+                acc += tl.dot(a, b, input_precision=DOT_PRECISION)
 
     mask = m_ok[:, None] & n_ok[None, :]
     out_ptrs = out + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
@@ -168,13 +209,20 @@ def _w4a16_kernel(out, partial, counters, x, qweight, scales, zeros, perm, M, N,
 
 
 def _block_k(w: W4Weight, cap: int) -> int:
-    """The largest power of two up to `cap` that keeps K-tiles within one group."""
+    """`cap` (a power of two) for a one-group weight or groups of a power of two below it
+    (several groups a tile); else the largest power of two up to `cap` that keeps K-tiles
+    within one group."""
     if w.num_groups == 1:
         return min(cap, max(16, triton.next_power_of_2(w.in_features)))
     lowest_bit = w.group_size & -w.group_size
     if lowest_bit < 16:
         raise ValueError(f"group size {w.group_size} must be a multiple of 16")
-    return min(cap, lowest_bit)
+    return cap if lowest_bit == w.group_size else min(cap, lowest_bit)
+
+
+def tile_groups(w: W4Weight, block_k: int) -> int:
+    """Groups one K-tile of `block_k` rows spans (1: within one group)."""
+    return block_k // w.group_size if w.num_groups > 1 and block_k > w.group_size else 1
 
 
 def pick_config(m: int, w: W4Weight, dtype: torch.dtype, device: torch.device) -> TileConfig:
@@ -209,13 +257,16 @@ def w4a16_matmul_triton(x: torch.Tensor, w: W4Weight,
     k, n = w.in_features, w.out_features
     assert x.shape[-1] == k, f"x has {x.shape[-1]} features, the weight {k}"
     assert w.qweight.stride(1) == w.scales.stride(1) == w.zeros.stride(1) == 1
+    offsets = w.offsets
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out.view(*x.shape[:-1], n)
     cfg = config or pick_config(m, w, x.dtype, x.device)
-    assert w.num_groups == 1 or w.group_size % cfg.block_k == 0, "a K-tile straddles groups"
+    groups_a_tile = tile_groups(w, cfg.block_k)
+    assert w.num_groups == 1 or w.group_size % cfg.block_k == 0 or cfg.block_k == groups_a_tile * w.group_size, \
+        "a K-tile straddles groups"
     assert cfg.block_k % 8 == 0 and cfg.block_k >= 16
     assert (cfg.mode == "fma") == (cfg.block_m == 1), "the fma mode is the one-row tile"
     tiles = triton.cdiv(k, cfg.block_k)
@@ -231,10 +282,11 @@ def w4a16_matmul_triton(x: torch.Tensor, w: W4Weight,
     dot_precision = "tf32x3" if x.dtype == torch.float32 else "tf32"
     _w4a16_kernel[grid](
         out, partial, counters, x2, w.qweight, w.scales, w.zeros,
-        w.perm if w.perm is not None else x2,
+        offsets if offsets is not None else w.scales, w.perm if w.perm is not None else x2,
         m, n, k, w.group_size, tiles_per_split, x2.stride(0), x2.stride(1), out.stride(0),
         w.qweight.stride(0), w.scales.stride(0), w.zeros.stride(0),
-        HAS_PERM=w.perm is not None, SPLIT=split_k > 1, MODE=cfg.mode, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_PRECISION=dot_precision,
+        offsets.stride(0) if offsets is not None else 0,
+        HAS_PERM=w.perm is not None, HAS_OFFSET=offsets is not None, SPLIT=split_k > 1, MODE=cfg.mode, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, TILE_GROUPS=groups_a_tile, DOT_PRECISION=dot_precision,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out.view(*x.shape[:-1], n)

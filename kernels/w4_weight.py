@@ -15,8 +15,11 @@ repacked into this one layout on load (`worker/models/w4_formats.py`):
                                  or 16, which GPTQ v1 checkpoints can encode
     perm     int32 [K] or None   packed row i multiplies input feature perm[i]; None is the
                                  identity
+    offsets  [G, N] or None      float (any float dtype, like scales): a float added to each
+                                 weight of the group, for formats whose groups are
+                                 `scale * q + min` (GGUF Q4_1 and Q4_K); None is 0
 
-    W[n, perm[i]] = (q[i, n] - z[g, n]) * scales[g, n],   g = i // group_size
+    W[n, perm[i]] = (q[i, n] - z[g, n]) * scales[g, n] + offsets[g, n],   g = i // group_size
 
 `group_size` is K for a single group (the checkpoints' -1).
 
@@ -29,6 +32,10 @@ Why this layout:
   (1.6 % at group 128), one load per tile, and room for GPTQ v1's 16. Not pre-scaled, so
   `q - z` stays an exact small integer: the kernel multiplies by the scale after the tile's
   dot product, and the reference has one rounding per weight.
+* Offsets apart from zero points: a float minimum (GGUF's `d * q + m`) is no integer zero
+  point, and folding it into one (`z = -m / d`) would make `q - z` inexact in 16-bit
+  activations. The kernel adds `offset * sum(x)` over the group's inputs instead: one row
+  sum per K-tile.
 * Activation order (GPTQ `desc_act`, compressed-tensors `actorder`) is resolved on load: the
   rows are sorted by group, so every group is a contiguous run of `group_size` rows and a
   K-tile needs one row of scales and zeros; the kernel gathers the activation through
@@ -54,6 +61,7 @@ class W4Weight:
     in_features: int
     out_features: int
     perm: torch.Tensor | None = None
+    offsets: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         k, n, g = self.in_features, self.out_features, self.group_size
@@ -72,6 +80,9 @@ class W4Weight:
         if self.perm is not None:
             checks.append((self.perm.dtype == torch.int32 and self.perm.shape == (k,),
                            f"perm int32 [{k}]", self.perm))
+        if self.offsets is not None:
+            checks.append((self.offsets.dtype.is_floating_point and self.offsets.shape == (groups, n),
+                           f"offsets float [{groups}, {n}]", self.offsets))
         for ok, want, tensor in checks:
             if not ok or not tensor.is_contiguous():
                 raise ValueError(f"W4Weight: want {want} contiguous, got {tensor.dtype} "
@@ -83,16 +94,19 @@ class W4Weight:
 
     @classmethod
     def from_values(cls, values: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                    group_size: int, perm: torch.Tensor | None = None) -> "W4Weight":
+                    group_size: int, perm: torch.Tensor | None = None,
+                    offsets: torch.Tensor | None = None) -> "W4Weight":
         """From the unpacked values `q [K, N]` (0..15) of the packed rows."""
         k, n = values.shape
         return cls(pack_int4(values), scales.contiguous(), zeros.to(torch.uint8).contiguous(),
-                   group_size, k, n, None if perm is None else perm.to(torch.int32).contiguous())
+                   group_size, k, n, None if perm is None else perm.to(torch.int32).contiguous(),
+                   None if offsets is None else offsets.contiguous())
 
     def to(self, device: torch.device | str) -> "W4Weight":
         return replace(self, qweight=self.qweight.to(device), scales=self.scales.to(device),
                        zeros=self.zeros.to(device),
-                       perm=None if self.perm is None else self.perm.to(device))
+                       perm=None if self.perm is None else self.perm.to(device),
+                       offsets=None if self.offsets is None else self.offsets.to(device))
 
 
 def pack_int4(values: torch.Tensor) -> torch.Tensor:
@@ -120,12 +134,15 @@ def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
 def dequantize_ref(w: W4Weight, dtype: torch.dtype) -> torch.Tensor:
     """`W [N, K]` in `dtype`, input features in their original order (`perm` undone).
 
-    `(q - z) * scale` is computed in float32 and rounded to `dtype` once.
+    `(q - z) * scale + offset` is computed in float32 and rounded to `dtype` once.
     """
     q = unpack_int4(w.qweight).to(torch.float32)                        # [K, N]
     zeros = w.zeros.to(torch.float32).repeat_interleave(w.group_size, 0)
     scales = w.scales.to(torch.float32).repeat_interleave(w.group_size, 0)
-    packed_rows = ((q - zeros) * scales).to(dtype).t()                    # [N, K], packed order
+    values = (q - zeros) * scales
+    if w.offsets is not None:
+        values += w.offsets.to(torch.float32).repeat_interleave(w.group_size, 0)
+    packed_rows = values.to(dtype).t()                                    # [N, K], packed order
     if w.perm is None:
         return packed_rows.contiguous()
     weight = torch.empty_like(packed_rows)

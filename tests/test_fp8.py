@@ -309,12 +309,12 @@ def test_fp8_on_a_gpu_older_than_ada_is_refused_naming_what_was_asked(monkeypatc
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
     with pytest.raises(ValueError, match=r"--quantization fp8 needs FP8 tensor cores \(compute capability 8.9 "
                                          r"or newer.*NVIDIA A100 has 8.0; allowed on this GPU: --quantization none"):
-        quantization.linear_method("fp8", None).check_device(torch.device("cuda", 0))
+        quantization.linear_method("fp8", None, "cuda").check_device(torch.device("cuda", 0))
 
 
 def test_fp8_on_the_cpu_says_it_is_emulated(caplog):
     with caplog.at_level(logging.INFO, logger="pagedserve.worker"):
-        quantization.linear_method("fp8", None).check_device(CPU)
+        quantization.linear_method("fp8", None, "cpu").check_device(CPU)
     assert any("emulated in fp32" in r.message for r in caplog.records)
 
 

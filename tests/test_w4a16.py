@@ -8,6 +8,7 @@ with the readers under test; compressed-tensors' own library, where installed, p
 dequantizes independently of both.
 """
 
+import dataclasses
 import importlib.util
 import os
 
@@ -127,6 +128,30 @@ def test_dequantize_ref_follows_the_documented_formula():
             q, z, s = layer["q"][i, n], layer["zeros"][i // 16, n], layer["scales"][i // 16, n]
             want = (int(q) - int(z)) * float(s)
             assert got[n, int(perm[i])].item() == pytest.approx(want, rel=1e-6)
+
+
+def offsets_for(layer: dict, seed: int) -> torch.Tensor:
+    """Float offsets `[G, N]` of the size a GGUF Q4_1 minimum has (-16 s .. 0)."""
+    g = torch.Generator().manual_seed(seed)
+    return -16 * torch.rand(layer["scales"].shape, generator=g) * layer["scales"].float()
+
+
+def test_dequantize_ref_adds_the_offset_of_each_weight_s_group():
+    """W[n, i] = (q - z) * s + o[i // g, n]: the offsets are added after the scaling."""
+    layer = random_layer(32, 8, 16, seed=2)
+    offsets = offsets_for(layer, seed=4)
+    w = W4Weight.from_values(layer["q"], layer["scales"], layer["zeros"], 16, offsets=offsets)
+    plain = W4Weight.from_values(layer["q"], layer["scales"], layer["zeros"], 16)
+    want = dequantize_ref(plain, torch.float32) + offsets.repeat_interleave(16, 0).t()
+    assert torch.equal(dequantize_ref(w, torch.float32), want)
+
+
+def test_w4weight_refuses_offsets_of_another_shape_or_not_float():
+    layer = random_layer(64, 8, 32)
+    w = W4Weight.from_values(layer["q"], layer["scales"], layer["zeros"], 32)
+    for offsets in (offsets_for(layer, 0)[:1], torch.zeros(2, 8, dtype=torch.int32)):
+        with pytest.raises(ValueError, match=r"offsets float \[2, 8\]"):
+            dataclasses.replace(w, offsets=offsets)
 
 
 def test_w4weight_refuses_mismatched_shapes():
@@ -343,6 +368,57 @@ def test_interp_matmul_matches_ref(m, group, dtype):
 
 
 @interpreter_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("group", [32, -1], ids=lambda g: f"g{g}")
+@pytest.mark.parametrize("m", [1, 3, 130])
+def test_interp_matmul_adds_offsets(m, group, dtype):
+    """Both modes (one row: fma), with ragged K and N tiles."""
+    from kernels.triton_w4a16 import w4a16_matmul_triton
+
+    x, w = interp_case(m, group, dtype, seed=13)
+    w = dataclasses.replace(w, offsets=offsets_for({"scales": w.scales}, seed=14))
+    torch.testing.assert_close(w4a16_matmul_triton(x, w), w4a16_matmul_ref(x, w),
+                               **INTERP_TOL[dtype])
+
+
+@interpreter_only
+@pytest.mark.parametrize("mode", ["dot", "fma"])
+def test_interp_split_k_adds_each_split_s_offsets(mode):
+    from kernels.triton_split_k import TileConfig
+    from kernels.triton_w4a16 import w4a16_matmul_triton
+
+    x, w = interp_case(3 if mode == "dot" else 1, 32, torch.float32, seed=15)
+    w = dataclasses.replace(w, offsets=offsets_for({"scales": w.scales}, seed=16))
+    config = TileConfig(block_m=16 if mode == "dot" else 1, block_n=32, block_k=32,
+                        split_k=3, mode=mode)
+    torch.testing.assert_close(w4a16_matmul_triton(x, w, config), w4a16_matmul_ref(x, w),
+                               **INTERP_TOL[torch.float32])
+
+
+@interpreter_only
+@pytest.mark.parametrize("mode", ["dot", "fma"])
+def test_interp_tiles_of_several_groups_split_along_k(mode):
+    """Groups of 16 and 32 take 128-row tiles (one row of scales per group), K split, with
+    offsets and act-order; K = 224 leaves the last tile ragged."""
+    from kernels.triton_split_k import TileConfig
+    from kernels.triton_w4a16 import pick_config, tile_groups, w4a16_matmul_triton
+
+    for group in (16, 32):
+        layer = random_layer(224, INTERP_N, group, seed=group)
+        perm = torch.randperm(224, generator=torch.Generator().manual_seed(group))
+        w = W4Weight.from_values(layer["q"], layer["scales"], layer["zeros"], group, perm,
+                                 offsets=offsets_for(layer, seed=group + 1))
+        m = 3 if mode == "dot" else 1
+        assert pick_config(m, w, torch.float16, torch.device("cpu")).block_k == 128
+        config = TileConfig(block_m=16 if mode == "dot" else 1, block_n=32, block_k=128,
+                            split_k=2, mode=mode)
+        assert tile_groups(w, config.block_k) == 128 // group
+        x = torch.randn(m, 224, generator=torch.Generator().manual_seed(3)).half()
+        torch.testing.assert_close(w4a16_matmul_triton(x, w, config), w4a16_matmul_ref(x, w),
+                                   **INTERP_TOL[torch.float16])
+
+
+@interpreter_only
 @pytest.mark.parametrize("group", [32, -1], ids=lambda g: f"g{g}")
 @pytest.mark.parametrize("m", [1, 130])
 def test_interp_act_order_gathers_activations(m, group):
@@ -446,6 +522,22 @@ def test_gpu_w4a16_matmul(dtype):
         for m in [1, 5, 16, 17, 100, 512]:
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype).cuda()
             where = f"{k=} {n=} {group_size=} {act_order=} {m=}"
+            torch.testing.assert_close(w4a16_matmul(x, w), w4a16_matmul_ref(x, w),
+                                       **GPU_TOL[dtype], msg=lambda s, where=where: f"{where}: {s}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_gpu_w4a16_matmul_adds_offsets(dtype):
+    """The GGUF Q4_1 / Q4_K shape of weight (groups of 32, float offsets) at decode and
+    prefill batch sizes; K = 2080 leaves the last 64-wide tile ragged."""
+    for k, n in [(4096, 1536), (2080, 1000)]:
+        layer = random_layer(k, n, 32, seed=k + n, max_zero=0)
+        w = W4Weight.from_values(layer["q"], layer["scales"].float(), layer["zeros"], 32,
+                                 offsets=offsets_for(layer, seed=n)).to("cuda")
+        for m in [1, 5, 16, 17, 100, 512]:
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype).cuda()
+            where = f"{k=} {n=} {m=}"
             torch.testing.assert_close(w4a16_matmul(x, w), w4a16_matmul_ref(x, w),
                                        **GPU_TOL[dtype], msg=lambda s, where=where: f"{where}: {s}")
 

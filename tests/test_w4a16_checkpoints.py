@@ -2,8 +2,8 @@
 `pack-quantized` written by the library (against transformers loading it decompressed), GPTQ
 (v1 and v2, with and without act-order) and AWQ written here from the documented layouts
 (against the same model holding the dequantized weights, in float32), two ranks on the CPU,
-the settings that are refused, SmolLM2 quantized to W4A16, and GGUF files whose Q4_0 or Q8_0
-decoder linears stay quantized (written by gguf's own writer and quantizer).
+the settings that are refused, and SmolLM2 quantized to W4A16. (GGUF files whose linears stay
+in their blocks: tests/test_gguf_quantized.py.)
 
 The GPTQ and AWQ packers here start from known 4-bit integers and pack them word by word as
 the formats document (nibble i of a word holds entry 8w + order[i]); they share no code with
@@ -15,9 +15,7 @@ Tolerances, measured on this CPU (float32 throughout):
   decompressed load (compressed-tensors, float32 scales): logits within 1e-5 absolute, on
   logits of about 1 (measured at most 1.1e-6 for GPTQ and AWQ, 3.6e-7 for compressed-tensors):
   the weights are the same numbers, only the order of the sums differs. Two ranks: the same
-  bound (measured 8.8e-7). A GGUF file kept in Q4_0 / Q8_0 vs the same file dequantized on
-  load: the same bound (measured 0 for Q4_0, whose reference GEMM dequantizes to the very
-  same weights, and 5.4e-7 for Q8_0, summed from two 4-bit GEMMs).
+  bound (measured 8.8e-7).
 - SmolLM2-135M (the embedded GGUF in float32) quantized to W4A16 by compressed-tensors (the
   W4A16 preset at group 64, symmetric, min-max scales, no calibration): teacher-forced logits
   within 2e-4 of transformers' on the same checkpoint (measured 5.4e-5, on logits up to 34.5;
@@ -447,102 +445,3 @@ def test_smollm2_in_w4a16_perplexity_stays_within_60_percent_of_fp32(smollm_w4a1
     ids = smollm_tokenizer.encode(LONG_STORY, add_special_tokens=False)
     base, w4 = make_engine().prompt_logits(ids), smollm_w4a16.prompt_logits(ids)
     assert perplexity(w4, ids) < 1.6 * perplexity(base, ids), (perplexity(base, ids), perplexity(w4, ids))
-
-
-# ------------------------------------------------------------------ GGUF kept quantized
-
-GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-              "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
-
-
-def save_tiny_gguf(path, linear_type: str) -> None:
-    """The tiny Llama as a GGUF file (gguf's writer and quantizer), its decoder linears in
-    `linear_type` and the rest in float32; q and k rows interleaved per head, as llama.cpp's
-    converter stores them."""
-    import gguf
-    model = small_llama()
-    config = model.config
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_vocab_size(config.vocab_size)
-    kind = gguf.GGMLQuantizationType[linear_type]
-    for name, p in model.state_dict().items():
-        array = p.numpy()
-        if name.startswith("model.layers."):
-            _, _, index, rest = name.split(".", 3)
-            module, _, param = rest.rpartition(".")
-            gguf_name = f"blk.{index}.{GGUF_NAMES[module]}.{param}"
-            if module in ("self_attn.q_proj", "self_attn.k_proj"):
-                heads = config.num_attention_heads if module == "self_attn.q_proj" else config.num_key_value_heads
-                array = array.reshape(heads, 2, -1, array.shape[1]).swapaxes(1, 2).reshape(array.shape)
-            if module.endswith("_proj"):
-                writer.add_tensor(gguf_name, gguf.quants.quantize(array, kind), raw_dtype=kind)
-                continue
-        else:
-            gguf_name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                         "lm_head.weight": "output.weight"}[name]
-        writer.add_tensor(gguf_name, array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
-def dequantized_gguf_engine(path) -> LLMEngine:
-    """The GGUF file's model with every tensor dequantized on load (the reader of every other
-    GGUF type, which tests/test_engine_vs_transformers.py checks against transformers)."""
-    from worker.models.llama import LlamaForCausalLM
-    from worker.models.loader import gguf_weights, load_config
-    source = resolve_source(str(path))
-    cfg = load_config(source)
-    cfg.quantization = None
-    model = LlamaForCausalLM(cfg)
-    model.load_weights(gguf_weights(str(path), cfg))
-    return LLMEngine(EngineConfig(model=str(path), device="cpu", dtype="float32", num_blocks=64), source,
-                     (cfg, model.eval()))
-
-
-@pytest.mark.parametrize("linear_type", ["Q4_0", "Q8_0"])
-def test_gguf_blocks_repack_into_what_gguf_dequantizes_them_to(linear_type):
-    import gguf
-
-    from worker.models.w4_formats import from_gguf_q4_0, from_gguf_q8_0
-    kind = gguf.GGMLQuantizationType[linear_type]
-    blocks = gguf.quants.quantize(torch.randn(40, 96, generator=torch.Generator().manual_seed(4)).numpy(), kind)
-    expected = torch.from_numpy(gguf.quants.dequantize(blocks, kind))
-    if linear_type == "Q4_0":
-        got = dequantize_ref(from_gguf_q4_0(torch.from_numpy(blocks)), torch.float32)
-    else:
-        high, low = from_gguf_q8_0(torch.from_numpy(blocks))
-        got = dequantize_ref(high, torch.float32) + dequantize_ref(low, torch.float32)
-    assert torch.equal(got, expected)
-
-
-@pytest.mark.parametrize("linear_type", ["Q4_0", "Q8_0"])
-def test_gguf_file_of_q4_0_or_q8_0_linears_keeps_them_quantized(tmp_path, linear_type):
-    from worker.models.quantization import Q8Linear
-    path = tmp_path / "tiny.gguf"
-    save_tiny_gguf(path, linear_type)
-    _, model = load_model(resolve_source(str(path)), CPU, torch.float32)
-    linears = [m for layer in model.layers for m in layer.modules() if isinstance(m, W4Linear)]
-    assert len(linears) == 4 * 2 and all((type(m) is Q8Linear) == (linear_type == "Q8_0") for m in linears)
-    ids = token_ids()
-    torch.testing.assert_close(engine_logits(path, ids), dequantized_gguf_engine(path).prompt_logits(ids),
-                               atol=ATOL, rtol=0)
-
-
-def test_gguf_file_of_other_types_is_dequantized_saying_so(tmp_path, caplog):
-    path = tmp_path / "tiny.gguf"
-    save_tiny_gguf(path, "Q4_1")
-    with caplog.at_level(logging.INFO, logger="pagedserve.worker"):
-        _, model = load_model(resolve_source(str(path)), CPU, torch.float32)
-    assert type(model.layers[0].mlp.down_proj) is torch.nn.Linear
-    assert "tiny.gguf: dequantized on load, not kept quantized (tensors by type): Q4_1 14" in caplog.messages

@@ -7,7 +7,9 @@ from dataclasses import dataclass, field
 # quantizes a high-precision one on load, and "int8" the same in int8 (CPU only). "gptq", "awq" and "compressed-tensors" name a
 # pre-quantized checkpoint's format: they run a checkpoint of that quant_method as stored (as
 # "none" does) and refuse any other, since nothing here computes 4-bit weights from real ones.
-QUANTIZATION_METHODS = ("none", "fp8", "int8", "gptq", "awq", "compressed-tensors")
+# "gguf" keeps a GGUF file's decoder linears in their blocks on any device; "none" does so on a
+# GPU only, and dequantizes them on load on the CPU, where that is faster.
+QUANTIZATION_METHODS = ("none", "fp8", "int8", "gptq", "awq", "compressed-tensors", "gguf")
 # --kv-cache-dtype values: "auto" stores K/V in the model's dtype; "fp8" (alias "fp8_e4m3") in
 # float8 e4m3 with a scale per layer or per KV head, half the bytes of 16-bit K/V.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
@@ -24,7 +26,10 @@ class CheckpointQuantization:
     group_size: int | None = None                # input features per scale; -1: one group per row
     act_order: bool = False                      # groups formed in activation order (g_idx stored)
     symmetric: bool = True                       # False: a zero point per group besides the scale
-    checkpoint_format: str | None = None         # gptq: gptq (v1, zeros - 1) | gptq_v2; gguf: Q4_0 | Q8_0
+    checkpoint_format: str | None = None         # gptq: gptq (v1, zeros - 1) | gptq_v2; gguf: its kept types,
+                                                 # "+"-joined (Q4_1, Q4_K+Q6_K, ...)
+    # gguf: the model's decoder linears kept in their blocks (layers.<i>.mlp.down_proj, ...) -> GGUF type
+    kept_modules: dict[str, str] | None = None
 
 
 @dataclass

@@ -58,8 +58,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
       help="fp8: W8A8 decoder linears (weights quantized per output channel on load, "
            "activations per token at run time; needs compute capability 8.9+, emulated on the "
            "CPU); int8: W8A8 int8 linears, quantized on load the same way (CPU only); none: the weights as stored (a pre-quantized FP8 or 4-bit checkpoint runs as "
-           "stored); gptq, awq, compressed-tensors: a checkpoint of that quant_method, as stored "
-           "(W4A16 for 4-bit ones), any other refused")
+           "stored; a GGUF file's Q4_0, Q4_1, Q4_K, Q6_K or Q8_0 linears stay in their blocks on a GPU "
+           "and are dequantized on load on the CPU); gptq, awq, compressed-tensors: a checkpoint of that "
+           "quant_method, as stored (W4A16 for 4-bit ones), any other refused; gguf: a GGUF file's "
+           "linears in their blocks on any device")
     a("--kv-cache-dtype", default=d.kv_cache_dtype, choices=KV_CACHE_DTYPES,
       help="auto: K/V in the model's dtype; fp8 (or fp8_e4m3): float8 e4m3, twice the tokens in "
            "the same memory, with the checkpoint's k_scale/v_scale (per layer or per KV head) or "

@@ -90,7 +90,8 @@ class ModelRunner:
         self.model_config, self.model = loaded or load_model(source, self.device, self.dtype, config.seed, shard,
                                                             config.quantization)
         self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads     # this rank's
-        self.quantization = quantization_label(config.quantization, self.model_config.quantization)
+        self.quantization = quantization_label(config.quantization, self.model_config.quantization,
+                                               self.device.type)
         if self.kv_dtype == FP8_KV_DTYPE and shard.rank == 0:
             self._log_kv_scales()
         # Before the pool is sized: the adapter slots take device memory too.

@@ -7,9 +7,10 @@ transformers converts its tokenizer, parsing the file again (about 3 s). Every w
 paid that on every start (a `make run` restart, each worker of a test run). Here the tokenizer
 is saved once with `save_pretrained` (it then loads in about 0.2 s), and the model's config
 and float32 tensors, Hugging Face names and layout, once as JSON and safetensors (read back
-lazily, so tensor-parallel ranks read only their slices). Only files whose decoder linears are
-all dequantized anyway (no GGUF_KEPT type) and whose float32 weights take at most
-MAX_CACHED_WEIGHT_BYTES are cached.
+lazily, so tensor-parallel ranks read only their slices), when a load dequantizes every tensor
+(no linears kept in their blocks) and the float32 weights take at most MAX_CACHED_WEIGHT_BYTES.
+The config keeps the file's `quantization` (the type its linears could stay in), so a later
+load that keeps them reads the file instead.
 
 An entry is keyed by the file's resolved path, size and modification time, by the versions of
 what made it (transformers, gguf, CACHE_FORMAT), so a changed file or library makes a new one.
@@ -34,11 +35,11 @@ from pathlib import Path
 
 import torch
 
-from worker.config import ModelConfig
+from worker.config import CheckpointQuantization, ModelConfig
 
 log = logging.getLogger("pagedserve.worker")
 
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2    # 2: the config's quantization is stored
 MAX_CACHED_WEIGHT_BYTES = 4 * 2**30
 
 
@@ -118,7 +119,10 @@ def cached_dequantized(gguf_path: str) -> DequantizedModel | None:
         return None
     try:
         meta = json.loads((entry / "meta.json").read_text())
-        return DequantizedModel(entry, ModelConfig(**meta["config"]), meta["dequantized"])
+        config = ModelConfig(**meta["config"])
+        if config.quantization is not None:
+            config.quantization = CheckpointQuantization(**config.quantization)
+        return DequantizedModel(entry, config, meta["dequantized"])
     except (OSError, ValueError, TypeError, KeyError) as e:
         _drop(entry, f"weights of {gguf_path}", e)
         return None
@@ -130,7 +134,6 @@ def caching_dequantized(gguf_path: str, config: ModelConfig, weights: Iterator[t
     once the last has gone by, caches them with `config` and gguf_weights' `dequantized`
     summary, unless they exceed MAX_CACHED_WEIGHT_BYTES (then it stops holding them)."""
     from safetensors.torch import save_file
-    assert config.quantization is None, "a GGUF with kept linears is read from the file"
     held: dict[str, torch.Tensor] | None = {}
     size = 0
     for name, tensor in weights:

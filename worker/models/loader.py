@@ -21,7 +21,7 @@ from worker.config import CheckpointQuantization, ModelConfig
 from worker.models.llama import CheckpointSlice, LlamaForCausalLM
 from worker.models.quantization import checkpoint_quantization, linear_method
 from worker.models.gguf_cache import cached_dequantized, caching_dequantized, gguf_tokenizer
-from worker.models.w4_formats import GGUF_BLOCK, from_gguf_q4_0, from_gguf_q8_0
+from worker.models.w4_formats import GGUF_KEPT
 from worker.parallel import Shard
 
 log = logging.getLogger("pagedserve.worker")
@@ -170,13 +170,10 @@ GGUF_NAMES = {  # GGUF tensor name piece -> Hugging Face name piece
     "ffn_down": "mlp.down_proj",
 }
 GGUF_LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
-# GGUF types whose decoder linears stay quantized (when all of them have the one type), and the
-# canonical tensors they are repacked into (w4_formats): names after the linear's, in the
-# parameters of quantization.W4Linear / Q8Linear.
-GGUF_KEPT = {
-    "Q4_0": lambda blocks: {"": from_gguf_q4_0(blocks)},
-    "Q8_0": lambda blocks: dict(zip(("", "_low"), from_gguf_q8_0(blocks))),
-}
+# GGUF linear -> the model's module it is (part of): q/k/v and gate/up are fused.
+GGUF_MODULES = {"attn_q": "self_attn.qkv_proj", "attn_k": "self_attn.qkv_proj", "attn_v": "self_attn.qkv_proj",
+                "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_up_proj", "ffn_up": "mlp.gate_up_proj",
+                "ffn_down": "mlp.down_proj"}
 
 
 def _open_gguf(path: str):
@@ -203,8 +200,8 @@ def config_from_gguf(path: str, reader=None) -> ModelConfig:
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     tensor_names = {t.name for t in reader.tensors}
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
-    linear_types = {t.tensor_type.name for t in reader.tensors if _gguf_linear(t.name)}
-    kept = next(iter(linear_types)) if len(linear_types) == 1 else None     # one type, if one kept
+    kept = gguf_kept_modules(reader)
+    kinds = sorted(set(kept.values()))
     return ModelConfig(
         architecture=GGUF_ARCHITECTURES[arch],
         vocab_size=len(tokens.data) if tokens is not None else a("vocab_size"),
@@ -216,9 +213,10 @@ def config_from_gguf(path: str, reader=None) -> ModelConfig:
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias=arch == "qwen2", bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=[] if eos is None else [eos],
-        quantization=None if kept not in GGUF_KEPT else CheckpointQuantization(
-            method="w4a16" if kept == "Q4_0" else "w8a16", quant_method="gguf", group_size=GGUF_BLOCK,
-            checkpoint_format=kept),
+        quantization=None if not kept else CheckpointQuantization(
+            method=f"w{max(GGUF_KEPT[k].bits for k in kinds)}a16", quant_method="gguf",
+            group_size=max(GGUF_KEPT[k].group_size for k in kinds), checkpoint_format="+".join(kinds),
+            kept_modules=kept),
     )
 
 
@@ -226,6 +224,23 @@ def _gguf_linear(name: str) -> bool:
     """Whether GGUF tensor `name` is a decoder linear's weight (blk.<i>.<linear>.weight)."""
     parts = name.split(".")
     return len(parts) == 4 and parts[0] == "blk" and parts[2] in GGUF_LINEARS and parts[3] == "weight"
+
+
+def _gguf_module(name: str) -> str:
+    """The model's module (`layers.<i>.mlp.gate_up_proj`) of a decoder linear's GGUF tensor."""
+    parts = name.split(".")
+    return f"layers.{parts[1]}.{GGUF_MODULES[parts[2]]}"
+
+
+def gguf_kept_modules(reader) -> dict[str, str]:
+    """The model's decoder linears whose GGUF tensors all have one type of GGUF_KEPT (every
+    part of a fused one: llama.cpp's Q4_K_M gives some layers' attn_v Q6_K beside a Q4_K
+    attn_q and attn_k, and that qkv_proj is dequantized), each with its type."""
+    types: dict[str, set[str]] = {}
+    for t in reader.tensors:
+        if _gguf_linear(t.name):
+            types.setdefault(_gguf_module(t.name), set()).add(t.tensor_type.name)
+    return {module: kind for module, (kind, *others) in types.items() if not others and kind in GGUF_KEPT}
 
 
 def _unpermute_qk(w: np.ndarray, heads: int) -> np.ndarray:
@@ -236,16 +251,18 @@ def _unpermute_qk(w: np.ndarray, heads: int) -> np.ndarray:
 
 def gguf_weights(path: str, cfg: ModelConfig, reader=None, keep: frozenset[str] = frozenset(),
                  dequantized: dict[str, int] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """The tensors with Hugging Face names, dequantized to float32, except the decoder linears
-    of a type in `keep` (GGUF_KEPT): those come repacked into the canonical 4-bit tensors
-    (`<linear>.qweight`, `.scales`, `.zeros`, and `_low` ones for Q8_0). `dequantized`, if
+    """The tensors with Hugging Face names, dequantized to float32, except those of the
+    model's decoder linears in `keep` (module names, from `gguf_kept_modules`): those come
+    repacked into the canonical 4-bit tensors
+    (`<linear>.qweight`, `.scales`, `.zeros`, `.offsets` for Q4_1 and Q4_K, and `_low` ones
+    for Q8_0 and Q6_K: the parameters of quantization.W4Linear / W4PairLinear). `dequantized`, if
     given, is filled with the count of tensors dequantized by quantized type."""
     import gguf
     reader = reader or _open_gguf(path)
     llama_layout = cfg.architecture == "LlamaForCausalLM"
     dequantized = {} if dequantized is None else dequantized
     for t in progress(reader.tensors, len(reader.tensors), f"reading {os.path.basename(path)}"):
-        kept = _gguf_linear(t.name) and t.tensor_type.name in keep
+        kept = _gguf_linear(t.name) and _gguf_module(t.name) in keep
         try:
             # np.array copies, as the reader maps the file read-only (the float32 one below, too).
             array = np.array(t.data) if kept else gguf.quants.dequantize(t.data, t.tensor_type)
@@ -267,9 +284,11 @@ def gguf_weights(path: str, cfg: ModelConfig, reader=None, keep: frozenset[str] 
         else:
             raise ModelLoadError(f"{path}: unexpected tensor {t.name}")
         if kept:
-            for suffix, w in GGUF_KEPT[t.tensor_type.name](torch.from_numpy(array)).items():
-                linear = name.removesuffix(".weight")
+            linear = name.removesuffix(".weight")
+            for suffix, w in zip(("", "_low"), GGUF_KEPT[t.tensor_type.name].read(torch.from_numpy(array))):
                 yield from ((f"{linear}.{part}{suffix}", getattr(w, part)) for part in ("qweight", "scales", "zeros"))
+                if w.offsets is not None:
+                    yield f"{linear}.offsets{suffix}", w.offsets
         else:
             yield name, torch.from_numpy(np.array(array, dtype=np.float32))
     _log_dequantized(path, dequantized)
@@ -314,9 +333,11 @@ def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype, se
     reader = _open_gguf(source.path) if is_gguf and cached is None else None
     cfg = cached.config if cached is not None else load_config(source, reader)
     try:
-        method = linear_method(quantization, cfg.quantization, dummy=source.format == "dummy")
+        method = linear_method(quantization, cfg.quantization, device.type, dummy=source.format == "dummy")
     except ValueError as e:
         raise ModelLoadError(f"{source.path or source.name}: {e}") from e
+    if method.keep and cached is not None:      # the cache holds dequantized weights only
+        cached, reader = None, _open_gguf(source.path)
     method.check_device(device)     # before minutes of loading
     if device.type == "cuda" and not gpu_head_dim_supported(cfg.head_dim):
         raise ModelLoadError(f"{source.path or source.name}: head_dim {cfg.head_dim} is not served on the GPU "
@@ -329,6 +350,7 @@ def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype, se
     try:
         with torch.device("meta"):
             model = LlamaForCausalLM(cfg, shard, method.create)
+        method.prepare(model)
     finally:
         torch.set_default_dtype(previous)
     model = model.to_empty(device=device)
@@ -342,7 +364,7 @@ def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype, se
         elif is_gguf:
             dequantized: dict[str, int] = {}
             weights = gguf_weights(source.path, cfg, reader, method.keep, dequantized)
-            if not method.keep and cfg.quantization is None:
+            if not method.keep:
                 weights = caching_dequantized(source.path, cfg, weights, dequantized)
             model.load_weights(weights)
         else:

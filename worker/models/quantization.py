@@ -23,11 +23,13 @@ packs them (`checkpoint_tensors`), and what happens once every weight is in (`af
   out_features, row-parallel layers take their whole groups of in_features.
   (`--load-format dummy` with a 4-bit method draws high-precision weights and rounds them to
   4 bits on load, for benchmarks of the shape.)
-- A GGUF file whose decoder linears are all Q4_0 or all Q8_0 keeps them quantized: Q4_0 is
-  the canonical layout at group 32 (`W4Linear`), Q8_0 the sum of two such weights
-  (`Q8Linear`). Other GGUF types (Q4_1, Q4_K, Q6_K, ...) are dequantized on load: their
-  blocks add a float offset (`w = d q + m`), which the canonical layout's integer zero points
-  cannot hold.
+- A GGUF file's decoder linears of the types Q4_0, Q4_1, Q4_K, Q6_K, Q8_0 stay in their
+  blocks on a GPU (and on the CPU under `--quantization gguf`; `none` dequantizes them there,
+  which is faster): Q4_0 is the canonical layout at group 32 (`W4Linear`), Q4_1 and Q4_K the
+  same with a float offset per group, Q8_0 and Q6_K the sum of two such weights
+  (`W4PairLinear`, groups of 32 and 16). Each linear is kept or not on its own, a fused one
+  (q/k/v, gate/up) when its parts share a type, so a file of mixed types (llama.cpp's Q4_K_M)
+  keeps most; other GGUF types are dequantized on load.
 """
 
 import abc
@@ -131,10 +133,13 @@ class W4Linear(nn.Module):
     `kernels.w4_weight` (`qweight`, `scales`, `zeros`, and `perm` under act-order), dequantized
     inside the GEMM (`w4a16_matmul`: Triton on a GPU, the reference on the CPU). The tensors
     are parameters, so the model's loader, `to_empty` and `.to(device)` treat them like
-    `nn.Linear`'s; `scales` takes the model's dtype, as the model's other weights do."""
+    `nn.Linear`'s; `scales` takes the model's dtype, as the model's other weights do, unless
+    `scales_dtype` says otherwise (GGUF's scales, exact in float16 or float32). With
+    `offsets`, the layer also holds the float `offsets` of formats that add one per group."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, group_size: int,
-                 act_order: bool = False, device: torch.device | str | None = None):
+                 act_order: bool = False, device: torch.device | str | None = None, *,
+                 scales_dtype: torch.dtype | None = None, offsets: bool = False):
         """`group_size` -1: one group over all in_features (and, split by rows under tensor
         parallelism, over each rank's)."""
         super().__init__()
@@ -147,9 +152,12 @@ class W4Linear(nn.Module):
         groups = in_features // group
         self.qweight = nn.Parameter(torch.empty(in_features // PACK, out_features, dtype=torch.int32,
                                                 device=device), requires_grad=False)
-        self.scales = nn.Parameter(torch.empty(groups, out_features, device=device), requires_grad=False)
+        self.scales = nn.Parameter(torch.empty(groups, out_features, dtype=scales_dtype, device=device),
+                                   requires_grad=False)
         self.zeros = nn.Parameter(torch.empty(groups, out_features, dtype=torch.uint8, device=device),
                                   requires_grad=False)
+        self.register_parameter("offsets", nn.Parameter(torch.empty_like(self.scales), requires_grad=False)
+                                if offsets else None)
         self.register_parameter("perm", nn.Parameter(torch.empty(in_features, dtype=torch.int32, device=device),
                                                      requires_grad=False) if act_order else None)
         self.register_parameter("bias", nn.Parameter(torch.empty(out_features, device=device), requires_grad=False)
@@ -162,6 +170,7 @@ class W4Linear(nn.Module):
         linear = cls(weight.in_features, weight.out_features, False, weight.group_size, device="meta")
         linear.qweight, linear.scales, linear.zeros = (nn.Parameter(t, requires_grad=False) for t in
                                                        (weight.qweight, weight.scales, weight.zeros))
+        linear.offsets = None if weight.offsets is None else nn.Parameter(weight.offsets, requires_grad=False)
         linear.perm = None if weight.perm is None else nn.Parameter(weight.perm, requires_grad=False)
         linear.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         return linear
@@ -175,11 +184,12 @@ class W4Linear(nn.Module):
         """The parameters named `qweight{suffix}`, ... as a `W4Weight`, built again only when
         one was replaced (`to_empty`, a dropped perm): its checks cost more than a decode
         step's GEMM on small layers."""
-        tensors = [getattr(self, name + suffix) for name in ("qweight", "scales", "zeros")] + [self.perm]
+        tensors = [getattr(self, name + suffix) for name in ("qweight", "scales", "zeros")] + [
+            self.perm, getattr(self, "offsets" + suffix)]
         w = self._weights.get(suffix)
-        if w is None or any(a is not b for a, b in zip((w.qweight, w.scales, w.zeros, w.perm), tensors)):
+        if w is None or any(a is not b for a, b in zip((w.qweight, w.scales, w.zeros, w.perm, w.offsets), tensors)):
             w = self._weights[suffix] = W4Weight(*tensors[:3], self.group_size, self.in_features,
-                                                 self.out_features, tensors[3])
+                                                 self.out_features, *tensors[3:])
         return w
 
     def checkpoint_axes(self, name: str) -> tuple[int | None, int | None, int]:
@@ -188,7 +198,7 @@ class W4Linear(nn.Module):
         stands for (a row of `qweight` packs 8; one of `scales` or `zeros`, a group)."""
         if name == "qweight":
             return 1, 0, PACK
-        if name in ("scales", "zeros"):
+        if name in ("scales", "zeros", "offsets"):
             # One group over all inputs: a rank holding some of the rows needs all of it.
             return (1, None, 1) if self.one_group else (1, 0, self.group_size)
         if name == "perm":
@@ -202,18 +212,20 @@ class W4Linear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, group_size="
                 f"{-1 if self.one_group else self.group_size}, act_order={self.perm is not None}, "
-                f"bias={self.bias is not None}")
+                f"offsets={self.offsets is not None}, bias={self.bias is not None}")
 
 
-class Q8Linear(W4Linear):
-    """`x @ W.T + bias` with `W` in 8-bit integers per group of 32 inputs (GGUF Q8_0), held
-    as the sum of two 4-bit weights in the canonical layout (`w4_formats.from_gguf_q8_0`): a
-    high one (`qweight`, `scales`, `zeros`) and a low one (`qweight_low`, ...). Two W4A16
-    GEMMs read the bytes an 8-bit GEMM would, with no kernel of its own."""
+class W4PairLinear(W4Linear):
+    """`x @ W.T + bias` with `W` in integers of more than 4 bits per group (GGUF Q8_0 in
+    groups of 32, Q6_K in groups of 16), held as the sum of two 4-bit weights in the
+    canonical layout (`w4_formats.from_gguf_q8_0`, `from_gguf_q6_k`): a high one (`qweight`,
+    `scales`, `zeros`) and a low one (`qweight_low`, ...). Two W4A16 GEMMs read the bytes an
+    8-bit GEMM would, with no kernel of their own."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool,
-                 device: torch.device | str | None = None):
-        super().__init__(in_features, out_features, bias, w4_formats.GGUF_BLOCK, device=device)
+    def __init__(self, in_features: int, out_features: int, bias: bool, group_size: int,
+                 device: torch.device | str | None = None, *, scales_dtype: torch.dtype | None = None):
+        super().__init__(in_features, out_features, bias, group_size, device=device, scales_dtype=scales_dtype)
+        self.register_parameter("offsets_low", None)
         for name in ("qweight", "scales", "zeros"):
             high = getattr(self, name)
             self.register_parameter(f"{name}_low", nn.Parameter(torch.empty_like(high), requires_grad=False))
@@ -250,10 +262,14 @@ class LinearMethod:
 
     asked = "--quantization none"       # what chose this method, for error messages
     description = "high precision"      # what the linears compute, for the load log
-    keep: frozenset[str] = frozenset()  # GGUF tensor types the loader hands on undequantized
+    keep: frozenset[str] = frozenset()  # decoder linears whose GGUF tensors the loader hands on in blocks
 
     def create(self, in_features: int, out_features: int, bias: bool) -> nn.Module:
         return nn.Linear(in_features, out_features, bias=bias)
+
+    def prepare(self, model: nn.Module) -> None:
+        """Called on the model built (on the meta device) before any weight is read: may
+        replace decoder linears that differ from the rest (GGUF's, per module)."""
 
     def check_device(self, device: torch.device) -> None:
         """Raises ValueError, before anything is loaded, when `device` cannot run the layers."""
@@ -577,21 +593,39 @@ class CompressedTensorsW4Checkpoint(W4Checkpoint):
 
 
 class GgufCheckpoint(W4Method):
-    """A GGUF file whose decoder linears are all Q4_0 (as `W4Linear`: group 32, zero point
-    8) or all Q8_0 (as `Q8Linear`), kept as stored: the loader reads them repacked
+    """A GGUF file's decoder linears of a type of `w4_formats.GGUF_KEPT` (all the parts of a
+    fused one of one type: `loader.gguf_kept_modules`), kept as stored: Q4_0, Q4_1 and Q4_K
+    as `W4Linear`s of group 32 (with offsets for Q4_1 and Q4_K), Q8_0 and Q6_K as
+    `W4PairLinear`s (groups of 32 and 16). The model is built with `nn.Linear`s and `prepare`
+    puts those in place of the kept ones; the loader reads them repacked
     (`loader.gguf_weights`, `keep`) and dequantizes only the other tensors."""
 
     def __init__(self, checkpoint: CheckpointQuantization):
-        self.type = checkpoint.checkpoint_format
-        self.keep = frozenset({self.type})
-        self.asked = f"a GGUF file of {self.type} decoder linears"
-        self.description = (f"{'W4A16' if self.type == 'Q4_0' else 'W8A16 (two W4A16 GEMMs)'} as stored "
-                            f"(GGUF {self.type}, groups of {w4_formats.GGUF_BLOCK})")
+        self.kept = checkpoint.kept_modules
+        self.keep = frozenset(self.kept)
+        self.asked = f"a GGUF file of {checkpoint.checkpoint_format} decoder linears"
+        counts = {kind: list(self.kept.values()).count(kind) for kind in sorted(set(self.kept.values()))}
+        self.description = "as stored: " + ", ".join(
+            f"{n} in GGUF {kind} (W{w4_formats.GGUF_KEPT[kind].bits}A16, groups of "
+            f"{w4_formats.GGUF_KEPT[kind].group_size})" for kind, n in counts.items())
 
-    def create(self, in_features: int, out_features: int, bias: bool) -> nn.Module:
-        if self.type == "Q4_0":
-            return W4Linear(in_features, out_features, bias, w4_formats.GGUF_BLOCK)
-        return Q8Linear(in_features, out_features, bias)
+    def prepare(self, model: nn.Module) -> None:
+        for name, kind in self.kept.items():
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name)
+            linear, kept = getattr(parent, child), w4_formats.GGUF_KEPT[kind]
+            shape = linear.in_features, linear.out_features, linear.bias is not None, kept.group_size
+            setattr(parent, child, W4PairLinear(*shape, device="meta", scales_dtype=kept.scales_dtype) if kept.pair
+                    else W4Linear(*shape, device="meta", scales_dtype=kept.scales_dtype, offsets=kept.offsets))
+
+
+def gguf_stays_quantized(quantization: str, device_type: str) -> bool:
+    """Whether a GGUF file's decoder linears of a kept type stay in their blocks: when
+    `--quantization gguf` asks, and under `none` on a GPU. On the CPU, `none` dequantizes
+    them on load, as it does every other GGUF type: there the W4A16 matmul is the reference,
+    which dequantizes the whole weight at every call (several times slower than a float32
+    matmul), so keeping them saves memory only."""
+    return quantization == "gguf" or quantization == "none" and device_type != "cpu"
 
 
 W4_CHECKPOINTS: dict[str, type[W4Checkpoint]] = {
@@ -609,26 +643,37 @@ def _check_groups_in_order(name: str, g_idx: torch.Tensor, group_size: int) -> N
 
 def allowed_quantizations(checkpoint: CheckpointQuantization | None) -> tuple[str, ...]:
     """The --quantization values that run a checkpoint quantized as `checkpoint`."""
-    if checkpoint is None or checkpoint.quant_method == "gguf":
-        return ("none", *ON_LOAD)   # fp8 or int8 on GGUF: dequantized, then quantized on load
+    if checkpoint is None:
+        return ("none", *ON_LOAD)
+    if checkpoint.quant_method == "gguf":
+        return ("none", "gguf", *ON_LOAD)   # fp8 or int8 on GGUF: dequantized, then quantized on load
     fp8 = ("fp8",) if checkpoint.method == "fp8" and checkpoint.quant_method != "fp8" else ()
     return ("none", checkpoint.quant_method) + fp8
 
 
-def quantization_label(quantization: str, checkpoint: CheckpointQuantization | None) -> str:
+def quantization_label(quantization: str, checkpoint: CheckpointQuantization | None, device_type: str) -> str:
     """What the decoder linears are, for Info and the metrics: `none`, `fp8` (quantized on
-    load), or the checkpoint's quant_method and scheme (`gptq w4a16`, `gguf Q4_0`, ...)."""
+    load), or the checkpoint's quant_method and scheme (`gptq w4a16`, `gguf Q4_0`, ...), on a
+    device of type `device_type`."""
     if checkpoint is None or quantization in ON_LOAD and checkpoint.quant_method == "gguf":
         return quantization if quantization in ON_LOAD or quantization == "none" else f"{quantization} w4a16"
-    scheme = checkpoint.checkpoint_format if checkpoint.quant_method == "gguf" else checkpoint.method
-    return f"{checkpoint.quant_method} {scheme}"
+    if checkpoint.quant_method == "gguf":
+        return f"gguf {checkpoint.checkpoint_format}" if gguf_stays_quantized(quantization, device_type) else "none"
+    return f"{checkpoint.quant_method} {checkpoint.method}"
 
 
-def linear_method(quantization: str, checkpoint: CheckpointQuantization | None,
+def linear_method(quantization: str, checkpoint: CheckpointQuantization | None, device_type: str,
                   dummy: bool = False) -> LinearMethod:
     """The method for `--quantization` on a checkpoint quantized as `checkpoint` (None: high
-    precision); `dummy`: the weights are drawn at random instead of read. ValueError names
-    the --quantization values that fit when this one does not."""
+    precision), on a device of type `device_type`; `dummy`: the weights are drawn at random
+    instead of read. ValueError names the --quantization values that fit when this one does
+    not."""
+    if checkpoint is None and quantization == "gguf":
+        raise ValueError(f"--quantization gguf keeps a GGUF file's decoder linears in their blocks, which needs a "
+                         f"GGUF file whose decoder linears all have one of the types "
+                         f"{', '.join(w4_formats.GGUF_KEPT)}; this model has none such (another format, "
+                         f"or GGUF linears of other or mixed types, dequantized on load); allowed: "
+                         f"{', '.join(allowed_quantizations(None))}")
     if checkpoint is None and quantization in W4_METHODS:
         if dummy:
             return W4OnLoad(f"--quantization {quantization}", W4_ON_LOAD_GROUP_SIZE)
@@ -645,7 +690,9 @@ def linear_method(quantization: str, checkpoint: CheckpointQuantization | None,
     if checkpoint.quant_method == "gguf":       # (random weights of a GGUF's shape: high precision, as ever)
         if quantization in ON_LOAD:
             return ON_LOAD[quantization]()
-        return LinearMethod() if dummy else GgufCheckpoint(checkpoint)
+        if dummy or not gguf_stays_quantized(quantization, device_type):
+            return LinearMethod()
+        return GgufCheckpoint(checkpoint)
     if dummy:       # random weights are drawn in high precision: rounded on load as the checkpoint's are
         return (Fp8OnLoad() if checkpoint.method == "fp8"
                 else W4OnLoad(f"--load-format dummy with a {checkpoint.quant_method} config", checkpoint.group_size))
