@@ -4,18 +4,22 @@ chart and `make images` name the same images."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import time
 import tomllib
+import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml
 
 from dockerfiles import DOCKER, REPO, copied_sources, installed_extras, instructions
+from worker_process import WorkerProcess, free_port
 
 ROLES = ("router", "worker")
 
@@ -64,3 +68,53 @@ def test_chart_and_make_images_name_the_same_images():
     for role in ROLES:
         assert f"-f docker/{role}.Dockerfile -t $(IMAGE_REGISTRY)pagedserve-{role}:$(IMAGE_TAG)" in makefile
         assert values[role]["image"]["repository"] == f"pagedserve-{role}"
+
+
+BUILDAH = shutil.which("buildah") and shutil.which("debootstrap") and os.geteuid() == 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not BUILDAH, reason="needs root, buildah and debootstrap (apt-get install buildah "
+                                        "debootstrap): the machine that builds images without a daemon")
+def test_the_router_image_built_without_a_daemon_serves_through_a_worker(tmp_path):
+    """docker/buildah-router.sh builds docker/router.Dockerfile on a base debootstrap makes;
+    the image's own router (its entrypoint) then serves a completion through a worker."""
+    tag = "localhost/pagedserve-router:test"
+    subprocess.run(["bash", str(DOCKER / "buildah-router.sh"), tag], check=True, capture_output=True,
+                   text=True, timeout=1500)
+    container = subprocess.run(["buildah", "from", tag], check=True, capture_output=True,
+                               text=True).stdout.strip()
+    port = free_port()
+    try:
+        with WorkerProcess(["--model", "default", "--device", "cpu", "--dtype", "float32"]) as worker:
+            entrypoint = json.loads(subprocess.run(["buildah", "inspect", "--type", "image", tag], check=True,
+                                                   capture_output=True, text=True).stdout)["OCIv1"]["config"]["Entrypoint"]
+            router = subprocess.Popen(
+                ["buildah", "run", "--isolation", "chroot", "--network", "host", container, "--",
+                 *entrypoint, "--host", "127.0.0.1", "--workers", worker.address, "--http-port", str(port),
+                 "--port", "0", "--metrics-port", "0"],
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            try:
+                body = json.dumps({"model": "smollm2-135m-instruct", "prompt": "The capital of France is",
+                                   "max_tokens": 8, "temperature": 0}).encode()
+                answer = _post_when_up(f"http://127.0.0.1:{port}/v1/completions", body, router)
+            finally:
+                router.terminate()
+                log, _ = router.communicate(timeout=30)
+        assert answer["usage"]["completion_tokens"] == 8 and answer["choices"][0]["text"].strip(), log
+    finally:
+        subprocess.run(["buildah", "rm", container], capture_output=True)
+
+
+def _post_when_up(url: str, body: bytes, router: subprocess.Popen, timeout_s: float = 120) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert router.poll() is None, f"the image's router exited: {router.stdout.read()}"
+        try:
+            request = urllib.request.Request(url, body, {"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=60) as reply:
+                return json.load(reply)
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)

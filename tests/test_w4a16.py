@@ -398,7 +398,7 @@ def test_interp_split_k_adds_each_split_s_offsets(mode):
 @interpreter_only
 @pytest.mark.parametrize("mode", ["dot", "fma"])
 def test_interp_tiles_of_several_groups_split_along_k(mode):
-    """Groups of 16 and 32 take 128-row tiles (one row of scales per group), K split, with
+    """Groups of 16 and 32 in 128-row tiles (one row of scales per group), K split, with
     offsets and act-order; K = 224 leaves the last tile ragged."""
     from kernels.triton_split_k import TileConfig
     from kernels.triton_w4a16 import pick_config, tile_groups, w4a16_matmul_triton
@@ -408,8 +408,8 @@ def test_interp_tiles_of_several_groups_split_along_k(mode):
         perm = torch.randperm(224, generator=torch.Generator().manual_seed(group))
         w = W4Weight.from_values(layer["q"], layer["scales"], layer["zeros"], group, perm,
                                  offsets=offsets_for(layer, seed=group + 1))
-        m = 3 if mode == "dot" else 1
-        assert pick_config(m, w, torch.float16, torch.device("cpu")).block_k == 128
+        m = 3 if mode == "dot" else 1       # by default only the dot takes tiles of several groups
+        assert pick_config(m, w, torch.float16, torch.device("cpu")).block_k == (128 if mode == "dot" else group)
         config = TileConfig(block_m=16 if mode == "dot" else 1, block_n=32, block_k=128,
                             split_k=2, mode=mode)
         assert tile_groups(w, config.block_k) == 128 // group
