@@ -14,9 +14,11 @@ import signal
 import subprocess
 import time
 import urllib.request
+from pathlib import Path
 
 import grpc
 import helm_python as helm
+import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
@@ -676,6 +678,23 @@ def test_keda_scales_the_worker_statefulset_on_queue_depth(chart):
     pods = f'pod=~"{statefulset["metadata"]["name"]}-[0-9]+"'
     for query in queries:
         assert f'namespace="{NAMESPACE}"' in query and pods in query
+
+
+def keda_scaled_object_schema() -> dict:
+    """The openAPIV3Schema of KEDA's own ScaledObject CRD (tests/crds, vendored from KEDA)."""
+    crd = yaml.safe_load((Path(__file__).parent / "crds" / "keda.sh_scaledobjects.yaml").read_text())
+    return next(v for v in crd["spec"]["versions"] if v["name"] == "v1alpha1")["schema"]["openAPIV3Schema"]
+
+
+def test_the_scaled_object_validates_against_kedas_own_crd_schema(chart):
+    jsonschema.validate(one(render(chart, ci("keda-values.yaml")), "ScaledObject"), keda_scaled_object_schema())
+
+
+def test_kedas_crd_schema_refuses_a_scaled_object_of_a_wrong_type(chart):
+    scaled = one(render(chart, ci("keda-values.yaml")), "ScaledObject")
+    scaled["spec"]["minReplicaCount"] = "one"
+    with pytest.raises(jsonschema.ValidationError, match="'one' is not of type 'integer'"):
+        jsonschema.validate(scaled, keda_scaled_object_schema())
 
 
 def test_workers_scale_on_external_metrics_without_keda(chart):
