@@ -167,9 +167,14 @@ def _w4a16_kernel(out, partial, counters, x, qweight, scales, zeros, offsets, pe
                 x_sum += a
             # sum_j (q_j - z) a_j = 16 sum_j (1 + q_j / 16) a_j - (16 + z) sum_j a_j: the
             # terms are of the size of the result, so little cancels (error ~1e-7 relative).
-            acc2 += (16.0 * part - (z + 16.0) * x_sum[:, None]) * s
-            if HAS_OFFSET:
-                acc2 += x_sum[:, None] * o
+            if TILE_GROUPS == 1:        # one row of zero points and scales: [BLOCK_N]
+                acc2 += (16.0 * part - (z + 16.0)[None, :] * x_sum[:, None]) * s[None, :]
+                if HAS_OFFSET:
+                    acc2 += x_sum[:, None] * o[None, :]
+            else:                       # one for each word row: [WORDS, BLOCK_N]
+                acc2 += (16.0 * part - (z + 16.0) * x_sum[:, None]) * s
+                if HAS_OFFSET:
+                    acc2 += x_sum[:, None] * o
             words, z, s, o = nxt
         acc = tl.sum(acc2, axis=0)[None, :]
     else:
