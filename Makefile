@@ -64,7 +64,7 @@ test-tools:
 		echo "== no prometheus: tests/test_prometheus.py will be skipped"
 
 test: setup test-tools
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=15 $(PYTEST_ARGS)
 
 test-gpu: setup
 	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS)
