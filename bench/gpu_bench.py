@@ -201,8 +201,9 @@ def main() -> None:
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="GPUs of one worker (weight_bytes and the W2 roofline are per GPU)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    parser.add_argument("--quantization", default="none", choices=("none", "fp8"),
-                        help="the engine's --quantization (the dummy bf16 weights quantized on load)")
+    parser.add_argument("--quantization", default="none", choices=("none", "fp8", "gptq"),
+                        help="the engine's --quantization (the dummy bf16 weights quantized on load; "
+                             "gptq: rounded to 4 bits in groups of 128)")
     args = parser.parse_args()
     result = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(),
               "model": args.model, "tensor_parallel_size": args.tensor_parallel_size,

@@ -32,10 +32,17 @@ depend on timing and no second kernel is launched. The per-tile counters live in
 per device, reset to zero by that last program (see `split_k_counters` for what may share
 it).
 
+Past 64 rows (prefill chunks, large batches) the weight is instead dequantized once into
+the activations' dtype (`w4_dequantize_triton`, one pass at memory speed) and multiplied by
+cuBLAS: the tensor-core tiles expand each weight once per 64-row tile of M, and ran 3x slower
+than bf16 at 256 rows (docs/BENCHMARKS.md). The dequantized weight is a temporary of K x N
+elements (235 MB for the 8B gate_up in bf16), which the worker's memory profile, a forward
+at the full step token budget, counts.
+
 K need not be a multiple of `BLOCK_K` (the last tile is masked) nor N of `BLOCK_N`. M is a
 run-time argument Triton does not specialise on (nor `tiles_per_split`), so a new batch size
 compiles nothing new within its class of M: the constexprs are the mode and tile shapes
-(`pick_config` chooses them from four classes of M: 1, 2..16, 17..64, larger), `HAS_PERM`,
+(`pick_config` chooses them from three classes of M: 1, 2..16, 17..64), `HAS_PERM`,
 `SPLIT` and the dot precision. Nothing reads back to the host: the kernel is CUDA-graph
 capturable (warm each class up once outside the capture, as Triton compiles on first use).
 
@@ -222,6 +229,49 @@ def _w4a16_kernel(out, partial, counters, x, qweight, scales, zeros, offsets, pe
         tl.store(out_ptrs, acc.to(out.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _w4_dequantize_kernel(out, qweight, scales, zeros, offsets, N, K, group_size, stride_ok,
+                          stride_qk, stride_sg, stride_zg, stride_og, HAS_OFFSET: tl.constexpr,
+                          BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, TILE_GROUPS: tl.constexpr):
+    """out [K, N] (packed row order) = (q - z) * s + o, in float32 rounded to out's dtype once,
+    as `w4_weight.dequantize_ref` computes it; one [BLOCK_K, BLOCK_N] tile a program."""
+    WORDS: tl.constexpr = BLOCK_K // 8
+    pid_k, pid_n = tl.program_id(0), tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    words, z, s, o = _w4_tile(qweight, zeros, scales, offsets, pid_k, tl.arange(0, WORDS), offs_n, n_ok,
+                              K // 8, (K - 1) // group_size, group_size, stride_qk, stride_sg,
+                              stride_zg, stride_og, WORDS, BLOCK_K, BLOCK_N, TILE_GROUPS, HAS_OFFSET)
+    shifts = tl.arange(0, 8) * 4
+    if TILE_GROUPS == 1:
+        w = _expand(words[:, None, :], shifts[None, :, None], z[None, None, :]) * s[None, None, :]
+        if HAS_OFFSET:
+            w += o[None, None, :]
+    else:
+        w = _expand(words[:, None, :], shifts[None, :, None], z[:, None, :]) * s[:, None, :]
+        if HAS_OFFSET:
+            w += o[:, None, :]
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    tl.store(out + offs_k.to(tl.int64)[:, None] * stride_ok + offs_n[None, :],
+             tl.reshape(w, (BLOCK_K, BLOCK_N)).to(out.dtype.element_ty),
+             mask=(offs_k < K)[:, None] & n_ok[None, :])
+
+
+def w4_dequantize_triton(w: W4Weight, dtype: torch.dtype) -> torch.Tensor:
+    """The weight `[K, N]` in `dtype`, rows in packed order (`perm` not undone): the transpose
+    of `dequantize_ref` before its permutation."""
+    k, n = w.in_features, w.out_features
+    out = torch.empty((k, n), dtype=dtype, device=w.qweight.device)
+    block_k, block_n = _block_k(w, 64), 128
+    offsets = w.offsets
+    _w4_dequantize_kernel[(triton.cdiv(k, block_k), triton.cdiv(n, block_n))](
+        out, w.qweight, w.scales, w.zeros, offsets if offsets is not None else w.scales, n, k,
+        w.group_size, out.stride(0), w.qweight.stride(0), w.scales.stride(0), w.zeros.stride(0),
+        offsets.stride(0) if offsets is not None else 0, HAS_OFFSET=offsets is not None,
+        BLOCK_K=block_k, BLOCK_N=block_n, TILE_GROUPS=tile_groups(w, block_k), num_warps=4)
+    return out
+
+
 def _block_k(w: W4Weight, cap: int, several_groups: bool = True) -> int:
     """`cap` (a power of two) for a one-group weight, or, with `several_groups`, for groups of
     a power of two below it (several groups a tile); else the largest power of two up to
@@ -245,8 +295,8 @@ def pick_config(m: int, w: W4Weight, dtype: torch.dtype, device: torch.device) -
     Measured on one H200 for the Llama-3.1-8B decoder shapes, group 128, bf16
     (`python bench/quant_linears.py --sweep`): one row takes the FMA units ("fma", 128
     columns per program, K split to about 6 programs per SM); up to 16 rows a 16 x 128 tile
-    on the tensor cores, split likewise; up to 64 rows 64 x 128, split to 1.5 programs per
-    SM; more rows 64 x 128 (128 x 128 past 256 rows), split to fill the SMs once. Groups
+    on the tensor cores, split likewise; more rows 64 x 128, split to 1.5 programs per SM
+    (past 64 rows `w4a16_matmul_triton` dequantizes instead, unless given a config). Groups
     of 32 (GGUF), same shapes, two runs: the tensor-core tiles take 128 rows, four groups
     (M = 16: 4.35 ms a token step against 7.33 with 32-row tiles); the FMA tile stays within
     its group (3.57 ms against 4.13 with 128 rows)."""
@@ -257,12 +307,8 @@ def pick_config(m: int, w: W4Weight, dtype: torch.dtype, device: torch.device) -
         mode, block_m, block_n, warps, stages, per_sm = "fma", 1, 128, 4, 3, 6
     elif m <= _DECODE_MAX_M:
         mode, block_m, block_n, warps, stages, per_sm = "dot", 16, 64 if wide else 128, 4, 3, 6
-    elif m <= _MID_MAX_M:
-        mode, block_m, block_n, warps, stages, per_sm = "dot", 64, 64 if wide else 128, 4, 3, 1.5
     else:
-        block_m = 64 if wide or m <= 256 else 128
-        mode, block_n, warps, stages, per_sm = "dot", 64 if wide else 128, 8 if block_m == 128 else 4, 2 if wide else 3, 1
-        block_k = _block_k(w, 64 if wide else 128)
+        mode, block_m, block_n, warps, stages, per_sm = "dot", 64, 64 if wide else 128, 4, 3, 1.5
     programs = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     split_k = pick_split(triton.cdiv(k, block_k), programs, device, per_sm)
     return TileConfig(block_m, block_n, block_k, split_k, warps, stages, mode)
@@ -280,6 +326,9 @@ def w4a16_matmul_triton(x: torch.Tensor, w: W4Weight,
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out.view(*x.shape[:-1], n)
+    if config is None and m > _MID_MAX_M:
+        x_rows = x2 if w.perm is None else x2.index_select(1, w.perm)
+        return torch.mm(x_rows, w4_dequantize_triton(w, x.dtype), out=out).view(*x.shape[:-1], n)
     cfg = config or pick_config(m, w, x.dtype, x.device)
     groups_a_tile = tile_groups(w, cfg.block_k)
     assert w.num_groups == 1 or w.group_size % cfg.block_k == 0 or cfg.block_k == groups_a_tile * w.group_size, \

@@ -419,6 +419,27 @@ def test_interp_tiles_of_several_groups_split_along_k(mode):
 
 
 @interpreter_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("group", [16, 32, 128, -1], ids=lambda g: f"g{g}")
+def test_interp_dequantize_writes_the_reference_weight_in_packed_row_order(group, dtype):
+    """Past 64 rows the matmul multiplies this dequantized weight: the reference's values,
+    rounded to the activations' dtype once, rows left in packed order (act-order is undone by
+    gathering x); groups below the 64-row tile, offsets, ragged K and N."""
+    from kernels.triton_w4a16 import w4_dequantize_triton
+
+    k = INTERP_K.get(group, 224)
+    group_size = k if group == -1 else group
+    layer = random_layer(k, INTERP_N, group_size, seed=group + 40)
+    perm = torch.randperm(k, generator=torch.Generator().manual_seed(group + 41))
+    w = W4Weight.from_values(layer["q"], layer["scales"], layer["zeros"], group_size, perm,
+                             offsets=offsets_for(layer, seed=group + 42))
+    want = dequantize_ref(dataclasses.replace(w, perm=None), dtype).t()
+    got = w4_dequantize_triton(w, dtype)
+    assert got.dtype == dtype and got.shape == (k, INTERP_N)
+    torch.testing.assert_close(got, want, atol=0, rtol=1e-6 if dtype == torch.float32 else 1e-3)
+
+
+@interpreter_only
 @pytest.mark.parametrize("group", [32, -1], ids=lambda g: f"g{g}")
 @pytest.mark.parametrize("m", [1, 130])
 def test_interp_act_order_gathers_activations(m, group):
