@@ -10,7 +10,6 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 import tomllib
 import urllib.request
 from pathlib import Path
@@ -19,7 +18,7 @@ import pytest
 import yaml
 
 from dockerfiles import DOCKER, REPO, copied_sources, installed_extras, instructions
-from worker_process import WorkerProcess, free_port
+from worker_process import WorkerProcess, free_port, wait_for_http
 
 ROLES = ("router", "worker")
 
@@ -97,24 +96,14 @@ def test_the_router_image_built_without_a_daemon_serves_through_a_worker(tmp_pat
             try:
                 body = json.dumps({"model": "smollm2-135m-instruct", "prompt": "The capital of France is",
                                    "max_tokens": 8, "temperature": 0}).encode()
-                answer = _post_when_up(f"http://127.0.0.1:{port}/v1/completions", body, router)
+                wait_for_http(f"http://127.0.0.1:{port}/health", router)
+                request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                                 {"Content-Type": "application/json"})
+                with urllib.request.urlopen(request, timeout=60) as reply:
+                    answer = json.load(reply)
             finally:
                 router.terminate()
                 log, _ = router.communicate(timeout=30)
         assert answer["usage"]["completion_tokens"] == 8 and answer["choices"][0]["text"].strip(), log
     finally:
         subprocess.run(["buildah", "rm", container], capture_output=True)
-
-
-def _post_when_up(url: str, body: bytes, router: subprocess.Popen, timeout_s: float = 120) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        assert router.poll() is None, f"the image's router exited: {router.stdout.read()}"
-        try:
-            request = urllib.request.Request(url, body, {"Content-Type": "application/json"})
-            with urllib.request.urlopen(request, timeout=60) as reply:
-                return json.load(reply)
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.5)

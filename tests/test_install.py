@@ -9,7 +9,6 @@ import json
 import re
 import shutil
 import subprocess
-import time
 import urllib.request
 import venv
 from pathlib import Path
@@ -20,7 +19,7 @@ import pytest
 from common.pb import generation_pb2 as pb
 from common.pb import generation_pb2_grpc
 from dockerfiles import DOCKER, copied_sources, installed_extras
-from worker_process import REPO, WorkerProcess, free_port
+from worker_process import REPO, WorkerProcess, free_port, wait_for_http
 
 pytestmark = pytest.mark.slow
 
@@ -61,20 +60,6 @@ def _installed(bin_dir: Path, module: str) -> bool:
     return subprocess.run([bin_dir / "python", "-c", probe], cwd=bin_dir).returncode == 0
 
 
-def _wait_for_health(url: str, router: subprocess.Popen, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert router.poll() is None, f"the router exited with {router.returncode}"
-        try:
-            with urllib.request.urlopen(url, timeout=2) as reply:
-                if reply.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.3)
-    raise TimeoutError(f"{url} did not answer 200 within {timeout_s} s")
-
-
 def test_router_extra_serves_without_torch(tmp_path):
     bin_dir = _install_router(tmp_path)
     assert not _installed(bin_dir, "torch"), "pagedserve[router] installed torch"
@@ -91,7 +76,7 @@ def test_router_extra_serves_without_torch(tmp_path):
             cwd=tmp_path, env={"PATH": f"{bin_dir}:/usr/bin:/bin"},
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
-            _wait_for_health(f"http://127.0.0.1:{http_port}/health", router)
+            wait_for_http(f"http://127.0.0.1:{http_port}/health", router)
             with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
                 request = pb.GenerateRequest(text="The capital of France is",
                                              params=pb.SamplingParameters(max_tokens=8, temperature=0,

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,6 +59,23 @@ def module_command(module: str, *args: str) -> list[str]:
                 "ctypes.CDLL(None).prctl(1, signal.SIGKILL); "  # 1: PR_SET_PDEATHSIG
                 f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)")
     return [sys.executable, "-c", launcher, *args]
+
+
+def wait_for_http(url: str, server: subprocess.Popen, timeout_s: float = 120) -> None:
+    """Returns once `url` answers 200; fails at once, with its output, if `server` exits first."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            output = server.stdout.read() if server.stdout else ""
+            raise AssertionError(f"{server.args[0]} exited with {server.returncode} before {url} answered: {output}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as reply:
+                if reply.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.3)
+    raise TimeoutError(f"{url} did not answer 200 within {timeout_s} s")
 
 
 class WorkerProcess:
