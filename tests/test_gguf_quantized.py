@@ -270,8 +270,8 @@ def test_a_dequantized_load_on_the_cpu_is_cached_and_a_kept_load_reads_the_file(
 def test_quantization_gguf_on_a_file_of_another_type_is_refused_naming_the_kept_types(tmp_path):
     path = tmp_path / "tiny.gguf"
     save_tiny_gguf(path, "Q5_0")
-    with pytest.raises(ModelLoadError, match=r"--quantization gguf keeps .* one of the types Q4_0, Q4_1, Q4_K, "
-                                             r"Q6_K, Q8_0; .*allowed: none, fp8, int8"):
+    with pytest.raises(ModelLoadError, match=r"--quantization gguf keeps .* of the types Q4_0, Q4_1, Q4_K, "
+                                             r"Q6_K, Q8_0; this model has none .*allowed: none, fp8, int8"):
         load_model(resolve_source(str(path)), CPU, torch.float32, quantization="gguf")
 
 

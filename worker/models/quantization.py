@@ -36,6 +36,7 @@ import abc
 import importlib.util
 import logging
 import re
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
@@ -604,10 +605,10 @@ class GgufCheckpoint(W4Method):
         self.kept = checkpoint.kept_modules
         self.keep = frozenset(self.kept)
         self.asked = f"a GGUF file of {checkpoint.checkpoint_format} decoder linears"
-        counts = {kind: list(self.kept.values()).count(kind) for kind in sorted(set(self.kept.values()))}
+        counts = sorted(Counter(self.kept.values()).items())
         self.description = "as stored: " + ", ".join(
             f"{n} in GGUF {kind} (W{w4_formats.GGUF_KEPT[kind].bits}A16, groups of "
-            f"{w4_formats.GGUF_KEPT[kind].group_size})" for kind, n in counts.items())
+            f"{w4_formats.GGUF_KEPT[kind].group_size})" for kind, n in counts)
 
     def prepare(self, model: nn.Module) -> None:
         for name, kind in self.kept.items():
@@ -670,9 +671,9 @@ def linear_method(quantization: str, checkpoint: CheckpointQuantization | None, 
     not."""
     if checkpoint is None and quantization == "gguf":
         raise ValueError(f"--quantization gguf keeps a GGUF file's decoder linears in their blocks, which needs a "
-                         f"GGUF file whose decoder linears all have one of the types "
-                         f"{', '.join(w4_formats.GGUF_KEPT)}; this model has none such (another format, "
-                         f"or GGUF linears of other or mixed types, dequantized on load); allowed: "
+                         f"GGUF file with decoder linears of the types "
+                         f"{', '.join(w4_formats.GGUF_KEPT)}; this model has none (another format, or a "
+                         f"GGUF file whose linears are all of other types, dequantized on load); allowed: "
                          f"{', '.join(allowed_quantizations(None))}")
     if checkpoint is None and quantization in W4_METHODS:
         if dummy:
