@@ -497,7 +497,13 @@ def test_compressed_tensors_fp8_checkpoint_matches_transformers(tmp_path, kind, 
     save_compressed_tensors_fp8(tmp_path, kind, preset, torch.float32)
     ids = token_ids(256 if kind == "llama" else 320)
     ours = pagedserve_logits(tmp_path, ids)
-    torch.testing.assert_close(ours, transformers_logits(tmp_path, ids, quantize_inputs=True), atol=1e-5, rtol=1e-5)
+    theirs = transformers_logits(tmp_path, ids, quantize_inputs=True)
+    # Equal to float32 rounding, except that a tie in one per-token activation rounding may break
+    # the other way on a difference of one ulp (transformers 5.24 flips one on the qwen2 model):
+    # that moves one position's logits by ~1e-4, never more than one position's.
+    differs = ((ours - theirs).abs() > 1e-5 + 1e-5 * theirs.abs()).any(dim=1)
+    assert differs.sum() <= 1, f"positions {differs.nonzero().flatten().tolist()} differ"
+    torch.testing.assert_close(ours, theirs, atol=1e-3, rtol=1e-3)
     assert rel_error(ours, transformers_logits(tmp_path, ids, quantize_inputs=False)) < 0.05
 
 
