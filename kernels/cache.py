@@ -84,12 +84,47 @@ def copy_blocks(caches, src_to_dst) -> None:
 
 
 def swap_blocks(src: torch.Tensor, dst: torch.Tensor, src_to_dst: torch.Tensor) -> None:
-    """Moves blocks between a device pool and a host swap pool (either direction).
+    """Moves whole blocks `src_to_dst[n] = (src, dst)` between a device pool and a host swap
+    pool (either direction), each given block-first (`[blocks, ...]`; the device pool may be a
+    strided view). The host pool must be contiguous, so that each run of consecutive host
+    blocks is one contiguous span.
 
-    Index on the source's device, copy the gathered blocks across in one transfer.
-    """
+    On a GPU nothing here waits for the device: the blocks are gathered into (or scattered from)
+    a contiguous device buffer by one indexing kernel, and each run of host blocks crosses in one
+    asynchronous copy to or from pinned memory, all on the current stream. That stream orders
+    them after the steps that wrote the blocks and before any step or later swap that reuses a
+    block, and the host never reads the swap pool itself. (Copying through pageable memory and
+    indexing on the host instead blocked the step loop for tens of milliseconds a swap.)"""
     src, dst = _as_bytes(src), _as_bytes(dst)
-    src_ids = src_to_dst[:, 0].long().to(src.device)
-    dst_ids = src_to_dst[:, 1].long().to(dst.device)
-    # Asynchronous only towards the device: a host destination is read right after the copy.
-    dst[dst_ids] = src[src_ids].to(dst.device, non_blocking=dst.device.type != "cpu")
+    if src.device == dst.device:        # a CPU worker: both pools in host memory
+        dst[src_to_dst[:, 1].long()] = src[src_to_dst[:, 0].long()]
+        return
+    outward = dst.device.type == "cpu"
+    device = src.device if outward else dst.device
+    pairs = src_to_dst.long()
+    # Pinned, so the index copy does not wait for the device either; the caching host allocator
+    # keeps the memory until the copy has run.
+    device_ids = pairs[:, 0 if outward else 1].pin_memory().to(device, non_blocking=True)
+    host_ids = pairs[:, 1 if outward else 0].tolist()
+    host = dst if outward else src
+    staged = src[device_ids] if outward else torch.empty((len(host_ids), *src.shape[1:]), dtype=src.dtype,
+                                                          device=device)
+    for first, start, count in _runs(host_ids):
+        if outward:
+            host[first:first + count].copy_(staged[start:start + count], non_blocking=True)
+        else:
+            staged[start:start + count].copy_(host[first:first + count], non_blocking=True)
+    if not outward:
+        dst[device_ids] = staged
+
+
+def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
+    """(first id, index of its entry, length) of each run of consecutive ids in `ids`."""
+    runs: list[tuple[int, int, int]] = []
+    for index, block in enumerate(ids):
+        if runs and runs[-1][0] + runs[-1][2] == block:
+            first, start, count = runs[-1]
+            runs[-1] = (first, start, count + 1)
+        else:
+            runs.append((block, index, 1))
+    return runs

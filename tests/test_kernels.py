@@ -561,6 +561,32 @@ def test_gpu_write_kv_and_copy_blocks(dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, FP8_KV_DTYPE], ids=str)
+def test_gpu_swaps_are_ordered_by_the_stream_alone(dtype):
+    """A swap-out after device work that is still queued copies what that work wrote; blocks
+    rewritten right after it, and a swap-in back to other blocks, all without a host wait,
+    leave the swapped data intact (the runner's layouts: a [layers, K/V, blocks, ...] pool
+    seen block-first, a pinned block-first host pool; host runs 10-12 and 20)."""
+    as_bytes = (lambda t: t.view(torch.uint8)) if dtype == FP8_KV_DTYPE else (lambda t: t)
+    pool = torch.randn(3, 2, 64, 16, 2, 32, device="cuda").to(dtype)
+    device = pool.transpose(0, 2)
+    host = torch.empty(32, *device.shape[1:], dtype=dtype, pin_memory=True)
+    busy = torch.randn(4096, 4096, device="cuda")
+    for _ in range(20):     # keeps the stream busy, so that the writes below are still queued
+        busy = busy @ busy / 64
+    written = as_bytes(torch.randn(4, *device.shape[1:], device="cuda").to(dtype))
+    out_blocks, host_blocks, in_blocks = [5, 9, 2, 40], [10, 11, 12, 20], [1, 3, 4, 60]
+    as_bytes(device)[out_blocks] = written
+    swap_blocks(device, host, torch.tensor(list(zip(out_blocks, host_blocks))))
+    as_bytes(device)[out_blocks] = torch.zeros_like(written)    # the freed blocks reused at once
+    swap_blocks(host, device, torch.tensor(list(zip(host_blocks, in_blocks))))
+    torch.cuda.synchronize()
+    assert torch.equal(as_bytes(host)[host_blocks].cuda(), written)
+    assert torch.equal(as_bytes(device)[in_blocks], written)
+    assert not as_bytes(device)[out_blocks].any()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("hidden", [576, 4096, 5120])
 def test_gpu_norms(dtype, hidden):

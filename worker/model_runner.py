@@ -109,9 +109,10 @@ class ModelRunner:
         self.num_swap_blocks = (config.num_swap_blocks if config.num_swap_blocks is not None else
                                 min_over_ranks(int(config.swap_space_gb * 2**30) // self.block_bytes,
                                                shard, self.device))
-        # Uninitialised: a host block is only ever read after a swap-out wrote all of it, and
-        # untouched pages cost no memory until preemption actually swaps.
-        self.swap_cache = torch.empty(cfg.num_layers, 2, self.num_swap_blocks, self.block_size,
+        # Block-first, unlike the device pool, so that a block is one contiguous span for its
+        # copy (kernels.cache.swap_blocks). Uninitialised: a host block is only ever read after
+        # a swap-out wrote all of it.
+        self.swap_cache = torch.empty(self.num_swap_blocks, 2, cfg.num_layers, self.block_size,
                                       self.num_kv_heads, cfg.head_dim, dtype=self.kv_dtype,
                                       pin_memory=self.device.type == "cuda")
         self.pending_copies: list[tuple[int, int]] = []
@@ -318,9 +319,9 @@ class ModelRunner:
     def swap(self, moves: list[tuple[str, int, int]]) -> None:
         """Runs block moves between the device pool and host swap space, in order, one
         transfer per run of moves in the same direction."""
-        # The pools are [layers, K/V, blocks, ...]: put the block axis first for the copy.
-        pools = {"out": (self.kv_cache.transpose(0, 2), self.swap_cache.transpose(0, 2)),
-                 "in": (self.swap_cache.transpose(0, 2), self.kv_cache.transpose(0, 2))}
+        # The device pool is [layers, K/V, blocks, ...]: a view with the block axis first.
+        device_pool = self.kv_cache.transpose(0, 2)
+        pools = {"out": (device_pool, self.swap_cache), "in": (self.swap_cache, device_pool)}
         if self.channel is not None:
             self.channel.send_swaps(moves)
         for direction, run in itertools.groupby(moves, key=lambda m: m[0]):
