@@ -1,9 +1,11 @@
 """Conversions between protobuf messages and the engine's records, shared by router and worker."""
 
-from google.protobuf import json_format
+from collections.abc import Iterator
+
+from google.protobuf import json_format, struct_pb2
 
 from common.pb import worker_pb2
-from common.sampling_params import SamplingParams, StructuredOutput
+from common.sampling_params import InvalidRequest, SamplingParams, StructuredOutput
 
 # The worker protocol's preemption modes by the names the engine, its flags and the metrics
 # labels use: the one table both sides translate with.
@@ -50,8 +52,33 @@ def sampling_params_from_proto(p) -> SamplingParams:
         allowed_token_ids=list(p.allowed_token_ids),
         bad_words=list(p.bad_words),
         logits_processors=list(p.logits_processors),
-        extra_args=json_format.MessageToDict(p.extra_args) if p.HasField("extra_args") else {},
+        extra_args=struct_to_dict(p.extra_args, "extra_args") if p.HasField("extra_args") else {},
     )
+
+
+def struct_to_dict(struct: struct_pb2.Struct, name: str) -> dict:
+    """A `google.protobuf.Struct` as the JSON object it holds. A Value with no kind set is
+    refused (InvalidRequest naming it), not read as null: it is what a client sends that wrote
+    the Value's fields under names its library does not know (protobufjs takes only
+    `numberValue`, not `number_value`), and the argument would otherwise vanish silently."""
+    for path, value in _values(struct, name):
+        if value.WhichOneof("kind") is None:
+            raise InvalidRequest(f"{path} has no value set: a google.protobuf.Value needs one of null_value, "
+                                 f"number_value, string_value, bool_value, struct_value or list_value", name)
+    return json_format.MessageToDict(struct)
+
+
+def _values(struct: struct_pb2.Struct, path: str) -> Iterator[tuple[str, struct_pb2.Value]]:
+    """Every Value inside `struct`, nested ones too, with its path (`extra_args.a.b[2]`)."""
+    pending = [(f"{path}.{key}", value) for key, value in struct.fields.items()]
+    while pending:
+        path, value = pending.pop()
+        yield path, value
+        kind = value.WhichOneof("kind")
+        if kind == "struct_value":
+            pending += [(f"{path}.{key}", inner) for key, inner in value.struct_value.fields.items()]
+        elif kind == "list_value":
+            pending += [(f"{path}[{i}]", inner) for i, inner in enumerate(value.list_value.values)]
 
 
 def structured_output_from_proto(s) -> StructuredOutput:

@@ -202,11 +202,11 @@ def _sampling_params(request: pb.GenerateRequest, prompt_tokens: int,
     the rest of the context (as in vLLM's chat API), and for text or token ids OpenAI's
     completions default of 16, cut to what the context leaves."""
     room = model.max_model_len - prompt_tokens
-    params = sampling_params_from_proto(request.params)
-    if not request.params.HasField("max_tokens"):
-        chat = request.WhichOneof("input") == "chat"
-        params.max_tokens = room if chat else min(params.max_tokens, room)
     try:
+        params = sampling_params_from_proto(request.params)
+        if not request.params.HasField("max_tokens"):
+            chat = request.WhichOneof("input") == "chat"
+            params.max_tokens = room if chat else min(params.max_tokens, room)
         params.validate(model.vocab_size)
     except InvalidRequest as error:
         raise invalid_argument(f"params.{error}", f"params.{error.field}") from None

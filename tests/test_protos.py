@@ -85,6 +85,19 @@ def test_protos_compile_without_warnings(protoc_run):
     assert {f.name for f in files.file} == set(PROTO_FILES)
 
 
+def test_every_proto_declares_a_go_package_under_its_own_path(protoc_run):
+    """protoc-gen-go refuses a file without go_package; each names an import path that mirrors
+    the file's folder under pagedserve/gen/go, and a package name after its proto package."""
+    _, files = protoc_run
+    assert {f.name for f in files.file} == set(PROTO_FILES)
+    for file in files.file:
+        assert file.options.HasField("go_package"), f"{file.name} declares no go_package"
+        import_path, _, go_name = file.options.go_package.partition(";")
+        assert import_path == "pagedserve/gen/go/" + file.name.rpartition("/")[0], file.name
+        *_, parent, version = file.package.split(".")
+        assert go_name == parent + version, file.name  # pagedservev1, workerv1
+
+
 def _declarations(file: descriptor_pb2.FileDescriptorProto):
     """(source path, name) of every service, method, message, field, oneof, enum and value.
 
