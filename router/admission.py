@@ -35,6 +35,13 @@ what a replica releases it may reuse at once (no other replica has seen it free)
 larger than one share, which could never fit one, may instead take the whole room, at most
 once per report (WorkerBudget.fits). docs/serving.md states the guarantee this gives.
 
+The prompts of one client request (a completions batch) share a `Batch`: such a prompt waits
+for its own batch without limit, since the room it waits for is what its siblings hold and will
+give back, so it does not expire while a sibling holds a reservation (its wait limit starts
+afresh once none does); and only the batch's first prompt is held to the queue's length bound.
+Otherwise a batch larger than the pool failed as a whole when its last prompts had waited
+max_wait_s behind its first ones, and so did every retry.
+
 A reservation can be suspended (`Reservation.suspend`: router.preemption took its request off
 the GPU for a more urgent one), which gives its tokens back while the request lives on, and
 resumed (`Reservation.resume`): it queues again at its original place in the order, past the
@@ -132,6 +139,15 @@ class WorkerBudget:
 WorkerChooser = Callable[[list[WorkerBudget]], WorkerBudget | None]
 
 
+@dataclass(eq=False)
+class Batch:
+    """The prompts of one client request, admitted one by one (see the module docstring)."""
+
+    members: int = 0      # prompts that asked for a reservation so far
+    holding: int = 0      # reservations of the batch on a worker now (not released or suspended)
+    overdue: list[_Waiter] = field(default_factory=list)   # past their wait limit while holding
+
+
 @dataclass(frozen=True)
 class QueuedRequest:
     """The head of the admission queue, as router.preemption weighs it."""
@@ -150,6 +166,7 @@ class Reservation:
     _admission: Admission = field(repr=False)
     order: tuple[int, int] = (0, 0)  # its place in the queue's order: (priority, arrival)
     request_id: str = ""
+    batch: Batch | None = None
     _admitted_at: float = field(default_factory=time.monotonic, repr=False)
     released: bool = False
     suspended: bool = False  # its tokens are given back until resume()
@@ -187,6 +204,8 @@ class _Waiter:
     order: tuple[int, int]  # (priority, arrival sequence number): the queue's sort key
     request_id: str = ""
     resuming: Reservation | None = None  # a suspended reservation to place again, else a new one
+    batch: Batch | None = None
+    deadline: asyncio.TimerHandle | None = None     # when it stops waiting (max_wait_s)
 
 
 class Admission:
@@ -268,12 +287,13 @@ class Admission:
         self._admit_waiters()
 
     async def reserve(self, tokens: int, choose: WorkerChooser, priority: int = 0,
-                      request_id: str = "") -> Reservation:
+                      request_id: str = "", batch: Batch | None = None) -> Reservation:
         """Reserves tokens on a worker picked by `choose`, waiting in the queue if need be.
 
         A lower `priority` value is served sooner; see the module docstring. Raises NoWorkers,
         RequestTooLarge or Overloaded. Cancelling the caller while it waits leaves nothing
-        reserved. `request_id` names the request in what router.preemption logs and traces.
+        reserved. `request_id` names the request in what router.preemption logs and traces;
+        `batch`, the other prompts of its client request, if any.
         """
         if tokens < 1:
             raise ValueError(f"tokens={tokens} must be >= 1")
@@ -286,18 +306,21 @@ class Admission:
                                   f"most max_model_len, times n) but a worker holds at most {largest}")
         loop = asyncio.get_running_loop()
         waiter = _Waiter(tokens, choose, loop.create_future(), (priority, next(self._arrivals)),
-                         request_id)
+                         request_id, batch=batch)
+        first_of_batch = batch is None or batch.members == 0
+        if batch is not None:
+            batch.members += 1
         if not self._queue or self._queue[0].order > waiter.order:  # no waiter comes before it
             reservation = self._place(waiter)
             if reservation is not None:
                 return reservation
-        if len(self._queue) >= self.config.max_queue_len:
+        if len(self._queue) >= self.config.max_queue_len and first_of_batch:
             raise Overloaded(f"{len(self._queue)} requests are already waiting",
                              self._retry_after_s())
 
         bisect.insort(self._queue, waiter, key=lambda w: w.order)
         self.on_blocked()
-        deadline = loop.call_later(self.config.max_wait_s, self._expire, waiter)
+        waiter.deadline = loop.call_later(self.config.max_wait_s, self._expire, waiter)
         try:
             return await waiter.granted
         except BaseException:
@@ -308,7 +331,7 @@ class Admission:
             self._leave_queue(waiter)
             raise
         finally:
-            deadline.cancel()
+            waiter.deadline.cancel()
 
     def _place(self, waiter: _Waiter) -> Reservation | None:
         """Books the waiter's tokens on a worker its chooser picks among those it fits; None
@@ -323,9 +346,11 @@ class Admission:
         worker.num_requests += 1
         worker.claimed_since_report = True
         self._num_admitted += 1
+        if waiter.batch is not None:
+            waiter.batch.holding += 1
         reservation = waiter.resuming
         if reservation is None:
-            return Reservation(waiter.tokens, worker, self, waiter.order, waiter.request_id)
+            return Reservation(waiter.tokens, worker, self, waiter.order, waiter.request_id, waiter.batch)
         reservation.worker, reservation.suspended, reservation._resuming = worker, False, None
         return reservation
 
@@ -350,6 +375,9 @@ class Admission:
 
     def _expire(self, waiter: _Waiter) -> None:
         if waiter.granted.done():
+            return
+        if waiter.batch is not None and waiter.batch.holding:
+            waiter.batch.overdue.append(waiter)     # it waits for its own batch: see _give_back
             return
         self._leave_queue(waiter)
         waiter.granted.set_exception(Overloaded(
@@ -388,13 +416,23 @@ class Admission:
         reservation.worker.reserved_tokens -= reservation.tokens
         reservation.worker.num_requests -= 1
         self._num_admitted -= 1
+        batch = reservation.batch
+        if batch is not None:
+            batch.holding -= 1
+            if not batch.holding:   # its overdue prompts wait for others now: a fresh limit
+                loop = asyncio.get_running_loop()
+                for waiter in batch.overdue:
+                    if not waiter.granted.done():
+                        waiter.deadline = loop.call_later(self.config.max_wait_s, self._expire, waiter)
+                batch.overdue.clear()
         self._admit_waiters()
 
     async def _resume(self, reservation: Reservation, choose: WorkerChooser) -> None:
         if reservation.released or not reservation.suspended or reservation._resuming is not None:
             raise ValueError("only a suspended reservation, not already resuming, can resume")
         waiter = _Waiter(reservation.tokens, choose, asyncio.get_running_loop().create_future(),
-                         reservation.order, reservation.request_id, resuming=reservation)
+                         reservation.order, reservation.request_id, resuming=reservation,
+                         batch=reservation.batch)
         reservation._resuming = waiter
         bisect.insort(self._queue, waiter, key=lambda w: w.order)
         self._admit_waiters()

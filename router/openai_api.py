@@ -25,6 +25,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from common import tracing
 from common.pb import generation_pb2 as pb
+from router.admission import Batch
 from router.auth import bearer_key_matches
 from router.errors import ApiError
 from router.openai_protocol import (
@@ -246,7 +247,9 @@ class OpenAIApi:
         call = {"http.request.method": request.method,
                 "http.route": request.match_info.route.resource.canonical,
                 "url.path": request.path, "url.scheme": request.scheme}
-        streams = [self.service.stream(r, parent, call) for r in grpc_requests]
+        # A batch's prompts are admitted one by one, and wait for each other without limit.
+        batch = Batch() if len(grpc_requests) > 1 else None
+        streams = [self.service.stream(r, parent, call, batch) for r in grpc_requests]
         if not chat and body_field(body, "echo", (bool,), False):
             streams = [echoed(s, functools.partial(self._prompt_text, r), n, params.HasField("logprobs"))
                        for s, r in zip(streams, grpc_requests)]

@@ -33,6 +33,7 @@ from common import tracing
 from common.pb import generation_pb2 as pb
 from router.admission import (
     Admission,
+    Batch,
     NoWorkers,
     Overloaded,
     RequestTooLarge,
@@ -119,26 +120,28 @@ class GenerationService:
                              error=message)
 
     async def stream(self, request: pb.GenerateRequest, parent: Context | None = None,
-                     transport: Mapping[str, str] | None = None) -> AsyncIterator[pb.GenerateResponse]:
+                     transport: Mapping[str, str] | None = None,
+                     batch: Batch | None = None) -> AsyncIterator[pb.GenerateResponse]:
         """One Generate request, whatever the transport: validation, admission, dispatch. Yields
         its responses and raises ApiError. Closing the stream early (the client went away or its
         deadline passed) aborts the request on the workers; the reservation is always released.
         `parent`: the client's trace context (from its gRPC metadata or HTTP headers);
         `transport`: the span attributes of the call that carried it (OpenTelemetry's RPC or
-        HTTP server conventions), so one SERVER span says both what was asked and how. An empty
+        HTTP server conventions), so one SERVER span says both what was asked and how; `batch`:
+        the other prompts of the client's request, if it has several (router.admission). An empty
         `request.request_id` is filled in first, so that even a refusal names the request."""
         request.request_id = request.request_id or uuid.uuid4().hex
         task = asyncio.current_task()
         self._running.add(task)
         try:
-            async with contextlib.aclosing(self._stream(request, parent, transport or {})) as responses:
+            async with contextlib.aclosing(self._stream(request, parent, transport or {}, batch)) as responses:
                 async for response in responses:
                     yield response
         finally:
             self._running.discard(task)
 
     async def _stream(self, request: pb.GenerateRequest, parent: Context | None,
-                      transport: Mapping[str, str]) -> AsyncIterator[pb.GenerateResponse]:
+                      transport: Mapping[str, str], batch: Batch | None) -> AsyncIterator[pb.GenerateResponse]:
         observed = _Observed(request, self._counters)
         if tracing.enabled():
             observed.start_span(parent, self._model_label(request), transport)
@@ -148,7 +151,7 @@ class GenerationService:
             observed.prepared(prepared)
             queued = time.monotonic()
             with observed.step("admission") as span:
-                reservation = await self._admit(prepared)
+                reservation = await self._admit(prepared, batch)
                 if span is not None:
                     span.set_attribute("pagedserve.worker", reservation.worker_id)
         except ApiError as error:
@@ -214,11 +217,11 @@ class GenerationService:
             return self._served_names[0]
         return self._fleet.model.name if self._fleet.model is not None else ""
 
-    async def _admit(self, prepared: PreparedRequest) -> Reservation:
+    async def _admit(self, prepared: PreparedRequest, batch: Batch | None) -> Reservation:
         try:
             return await self._admission.reserve(
                 prepared.reserved_tokens, self._fleet.chooser(prepared.prompt_token_ids, prepared.lora_name),
-                priority=prepared.priority, request_id=prepared.request_id)
+                priority=prepared.priority, request_id=prepared.request_id, batch=batch)
         except Overloaded as error:
             raise ApiError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error),
                            retry_after_s=error.retry_after_s) from None

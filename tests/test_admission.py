@@ -6,7 +6,7 @@ import re
 import grpc
 import pytest
 
-from router.admission import (Admission, AdmissionConfig, NoWorkers, Overloaded, RequestTooLarge,
+from router.admission import (Admission, AdmissionConfig, Batch, NoWorkers, Overloaded, RequestTooLarge,
                               reservation_tokens)
 from router.errors import ApiError
 
@@ -96,6 +96,55 @@ def test_admission_rejects_after_max_wait():
         assert admission.num_waiting == 0
         held.release()
         assert_nothing_reserved(admission)
+    asyncio.run(scenario())
+
+
+def test_a_batch_prompt_waits_for_its_own_batch_past_the_wait_limit():
+    """A completions batch larger than the pool: its last prompt waits for the room its first
+    one holds, however long that runs, instead of failing the batch (and every retry of it)."""
+    async def scenario():
+        admission = admission_with(100, max_wait_s=0.05)
+        batch = Batch()
+        held = await admission.reserve(100, first, batch=batch)
+        waiter = asyncio.create_task(admission.reserve(60, first, batch=batch))
+        await asyncio.sleep(0.2)        # four wait limits
+        assert not waiter.done() and admission.num_waiting == 1
+        held.release()
+        assert (await waiter).tokens == 60
+    asyncio.run(scenario())
+
+
+def test_a_batch_prompt_waiting_for_another_clients_room_gets_a_fresh_limit_once_its_batch_holds_none():
+    async def scenario():
+        admission = admission_with(100, max_wait_s=0.05)
+        other = await admission.reserve(50, first)
+        batch = Batch()
+        sibling = await admission.reserve(50, first, batch=batch)
+        waiter = asyncio.create_task(admission.reserve(60, first, batch=batch))
+        await asyncio.sleep(0.1)
+        assert not waiter.done()
+        sibling.release()               # 50 free: the waiter needs the other client's room too
+        await asyncio.sleep(0.01)
+        assert not waiter.done(), "its limit starts afresh when its batch stops holding room"
+        with pytest.raises(Overloaded, match="queue wait limit of 0.05 s"):
+            await waiter
+        other.release()
+        assert_nothing_reserved(admission)
+    asyncio.run(scenario())
+
+
+def test_only_a_batchs_first_prompt_is_held_to_the_queue_length_bound():
+    async def scenario():
+        admission = admission_with(100, max_queue_len=1)
+        held = await admission.reserve(100, first)
+        batch = Batch()
+        prompts = [asyncio.create_task(admission.reserve(10, first, batch=batch)) for _ in range(3)]
+        await asyncio.sleep(0)
+        assert admission.num_waiting == 3 and not any(p.done() for p in prompts)
+        with pytest.raises(Overloaded, match="already waiting"):
+            await admission.reserve(10, first, batch=Batch())      # another client's batch
+        held.release()
+        assert [(await p).tokens for p in prompts] == [10, 10, 10]
     asyncio.run(scenario())
 
 
