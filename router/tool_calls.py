@@ -56,11 +56,15 @@ class ToolCalling:
 
     def split(self, text: str) -> tuple[str | None, list[dict]]:
         """A complete output as (content, tool calls): for `auto`, as its syntax parses it
-        (calls of tools not given are left as text); else one call, or the text as content
-        where it was cut short."""
+        (calls of tools not given are left as text); for a named function, its call, even cut
+        short (its arguments then incomplete JSON, as vLLM returns them: a stream has sent them
+        as the call's arguments already); for `"required"`, one call, or the text as content
+        where it was cut short (no name can be read from it)."""
         if self.auto:
             content, calls = self.syntax.split(text, set(self.schemas))
             return content, [_call(name, arguments) for name, arguments in calls]
+        if self.forced is not None:
+            return None, [_call(self.forced, text)]
         call = self.call(text)
         return (None, [call]) if call is not None else (text, [])
 
@@ -69,10 +73,14 @@ class ToolCalling:
             return None
         if self.forced is not None:
             return pb.StructuredOutput(json_schema=json.dumps(self.schemas[self.forced]))
-        calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": schema},
-                  "required": ["name", "arguments"], "additionalProperties": False}
-                 for name, schema in self.schemas.items()]
-        return pb.StructuredOutput(json_schema=json.dumps({"anyOf": calls}))
+        calls, definitions = [], {}
+        for i, (name, schema) in enumerate(self.schemas.items()):
+            arguments, defined = _nested(schema, f"#/anyOf/{i}/properties/arguments", f"tool{i}_")
+            calls.append({"type": "object", "properties": {"name": {"const": name}, "arguments": arguments},
+                          "required": ["name", "arguments"], "additionalProperties": False})
+            definitions |= defined
+        return pb.StructuredOutput(json_schema=json.dumps(
+            {"anyOf": calls} | ({"$defs": definitions} if definitions else {})))
 
     def call(self, text: str) -> dict | None:
         """The tool call of a complete output, or None for one cut short (not valid JSON)."""
@@ -83,6 +91,34 @@ class ToolCalling:
         if self.forced is not None:
             return _call(self.forced, text)
         return _call(value["name"], json.dumps(value["arguments"]))
+
+
+def _nested(schema: dict, at: str, prefix: str) -> tuple[dict, dict]:
+    """A tool's parameters schema moved from the root of a document to the JSON pointer `at`:
+    (the schema without its `$defs` / `definitions`, those definitions renamed with `prefix`).
+    Its local references follow: `#/$defs/X` (or `#/definitions/X`) becomes `#/$defs/<prefix>X`,
+    which the caller keeps at the new root, and any other `#...` is taken to lie under `at`.
+    (Pydantic's tools keep their enums and nested models in `$defs`, which nesting left dangling.)"""
+    definitions = {**schema.get("definitions", {}), **schema.get("$defs", {})}
+
+    def moved(node):
+        if isinstance(node, list):
+            return [moved(item) for item in node]
+        if not isinstance(node, dict):
+            return node
+        out = {key: moved(value) for key, value in node.items()}
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#"):
+            for root in ("#/$defs/", "#/definitions/"):
+                if ref.startswith(root):
+                    out["$ref"] = "#/$defs/" + prefix + ref.removeprefix(root)
+                    break
+            else:
+                out["$ref"] = at + ref[1:]
+        return out
+
+    body = {key: value for key, value in schema.items() if key not in ("$defs", "definitions")}
+    return moved(body), {prefix + name: moved(value) for name, value in definitions.items()}
 
 
 def _call(name: str, arguments: str) -> dict:

@@ -468,9 +468,12 @@ def test_logit_bias_through_the_openai_client_bans_and_forces_tokens(client, mod
     assert ids == [1000] * 4
 
 
+# The unit in $defs, as pydantic writes an enum field: "required" nests each tool's schema, and
+# its references must still resolve.
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
-                                            "unit": {"enum": ["celsius", "fahrenheit"]}},
-           "required": ["city", "unit"], "additionalProperties": False}
+                                            "unit": {"$ref": "#/$defs/Unit"}},
+           "required": ["city", "unit"], "additionalProperties": False,
+           "$defs": {"Unit": {"enum": ["celsius", "fahrenheit"], "type": "string"}}}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                            "parameters": WEATHER}},
          {"type": "function", "function": {"name": "get_time", "parameters": {
@@ -508,6 +511,16 @@ def test_streamed_tool_call_deltas_add_up_to_the_unstreamed_call(client, model, 
                 arguments += delta.function.arguments or ""
             finish = choice.finish_reason or finish
     assert (name, arguments, finish) == (whole.function.name, whole.function.arguments, "tool_calls")
+
+
+def test_a_named_call_cut_short_by_max_tokens_is_a_tool_call_streamed_or_not(client, model):
+    kwargs = dict(model=model, messages=ASK, tools=TOOLS, temperature=0, max_tokens=5,
+                  tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    assert whole.finish_reason == "length" and whole.message.content is None
+    arguments = "".join(delta.function.arguments or "" for chunk in client.chat.completions.create(stream=True, **kwargs)
+                        for choice in chunk.choices for delta in choice.delta.tool_calls or ())
+    assert whole.message.tool_calls[0].function.arguments == arguments and arguments
 
 
 def test_tool_choice_auto_on_a_model_of_no_known_syntax_is_a_400_naming_the_known_ones(client, model):

@@ -2,8 +2,11 @@
 
 import json
 
+import jsonschema
 import pytest
 
+from common.sampling_params import StructuredOutput
+from common.structured_output import problem
 from router.tool_calls import StreamedCalls, ToolCallError, tool_calling
 from router.tool_syntax import HermesSyntax, Llama3JsonSyntax
 
@@ -40,6 +43,23 @@ def test_a_required_output_names_its_function():
 
 def test_an_output_cut_short_is_no_call():
     assert tool_calling({"tools": TOOLS, "tool_choice": "required"}).call('{"name": "ti') is None
+
+
+def test_a_named_call_cut_short_is_still_that_call_as_its_stream_sent_it():
+    """max_tokens ends the arguments early: the call keeps them as they are, incomplete, so an
+    unstreamed response has the shape of the streamed one (tool_calls, not content)."""
+    calling = tool_calling({"tools": TOOLS, "tool_choice": named("weather")})
+    content, [call] = calling.split('{"city": "Par')
+    assert content is None and call["function"] == {"name": "weather", "arguments": '{"city": "Par'}
+    streamed = StreamedCalls(calling, 1)
+    pieces = [streamed.delta(0, '{"city": ', False), streamed.delta(0, '"Par', True)]
+    assert "".join(p["tool_calls"][0]["function"]["arguments"] for p in pieces) == call["function"]["arguments"]
+
+
+def test_a_required_output_cut_short_is_content_streamed_or_not():
+    calling = tool_calling({"tools": TOOLS, "tool_choice": "required"})
+    assert calling.split('{"name": "ti') == ('{"name": "ti', [])
+    assert StreamedCalls(calling, 1).delta(0, '{"name": "ti', True) == {"content": '{"name": "ti'}
 
 
 @pytest.mark.parametrize("body", [{}, {"tools": TOOLS, "tool_choice": "none"}, {"tool_choice": "none"}])
@@ -164,3 +184,28 @@ def test_a_streamed_llama3_json_call_is_held_until_the_end():
     assert len(deltas) == 1 and deltas[0]["tool_calls"][0]["function"]["name"] == "time" and made
     deltas, made = stream(auto(LLAMA3_TEMPLATE), ["Hello", " there"])
     assert deltas == [{"content": "Hello"}, {"content": " there"}] and not made
+
+
+PAINT = {  # what pydantic writes for a model with an enum field and a nested model
+    "type": "object", "title": "Paint",
+    "properties": {"color": {"$ref": "#/$defs/Color"}, "at": {"$ref": "#/definitions/Point"},
+                   "again": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},
+    "required": ["color", "at"],
+    "$defs": {"Color": {"enum": ["red", "blue"], "type": "string"}},
+    "definitions": {"Point": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}},
+}
+
+
+def test_required_keeps_a_tools_own_definitions_and_references_resolving():
+    tools = TOOLS + [{"type": "function", "function": {"name": "paint", "parameters": PAINT}}]
+    constraint = tool_calling({"tools": tools, "tool_choice": "required"}).constraint()
+    assert problem(StructuredOutput("json_schema", constraint.json_schema)) is None   # llguidance compiles it
+    schema = json.loads(constraint.json_schema)
+    assert set(schema["$defs"]) == {"tool2_Color", "tool2_Point"}
+    for arguments, ok in [({"color": "red", "at": {"x": 1}}, True),
+                          ({"color": "red", "at": {"x": 1}, "again": {"color": "blue", "at": {"x": 2}}}, True),
+                          ({"color": "green", "at": {"x": 1}}, False),
+                          ({"color": "blue", "at": {"x": "1"}}, False),
+                          ({"color": "red", "at": {"x": 1}, "again": {"color": "green", "at": {"x": 2}}}, False)]:
+        valid = jsonschema.Draft202012Validator(schema).is_valid({"name": "paint", "arguments": arguments})
+        assert valid == ok, arguments
