@@ -85,6 +85,11 @@ def structured_output_from_proto(s) -> StructuredOutput:
     """`pagedserve.v1.StructuredOutput` -> StructuredOutput; no kind set gives kind "" (refused
     by validation, naming the kinds)."""
     kind = s.WhichOneof("kind") or ""
+    if kind == "json_object" and not s.json_object:
+        # Would read as "constrain to an object": say so rather than constrain a client that
+        # meant the opposite.
+        raise InvalidRequest("structured_output.json_object is false, which constrains nothing: set it to "
+                             "true for a JSON object, or leave structured_output unset", "structured_output")
     if kind == "choice":
         return StructuredOutput(kind, tuple(s.choice.values))
     return StructuredOutput(kind, None if kind in ("json_object", "") else getattr(s, kind))

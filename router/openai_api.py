@@ -62,7 +62,9 @@ REQUEST_ID = web.RequestKey("request_id", str)
 
 
 def error_response(error: HttpError) -> web.Response:
-    headers = {"Retry-After": str(math.ceil(error.retry_after_s))} if error.retry_after_s else None
+    headers = {"Retry-After": str(math.ceil(error.retry_after_s))} if error.retry_after_s else {}
+    if error.status == 401:     # RFC 9110: a 401 names the scheme it wants
+        headers["WWW-Authenticate"] = "Bearer"
     return web.json_response(error.json(), status=error.status, headers=headers)
 
 
@@ -308,9 +310,11 @@ class OpenAIApi:
         if transport is not None and (sock := transport.get_extra_info("socket")) is not None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SSE_SOCKET_BUFFER_BYTES)
         obj = "chat.completion.chunk" if chat else "text_completion"
+        # With include_usage every chunk has a usage field, null but in the last (as OpenAI's).
+        head = meta | {"object": obj} | ({"usage": None} if include_usage else {})
 
         async def send(payload: dict) -> None:
-            await out.write(b"data: " + json.dumps(meta | {"object": obj} | payload).encode() + b"\n\n")
+            await out.write(b"data: " + json.dumps(head | payload).encode() + b"\n\n")
             # aiohttp waits for its transport only every 64 KiB written: a stalled reader is
             # noticed here instead, at SSE_PENDING_BYTES.
             while (transport is not None and not transport.is_closing()
@@ -383,10 +387,14 @@ class OpenAIApi:
     async def tokenize(self, request: web.Request) -> web.Response:
         body = await self._body(request)
         tokenize = pb.TokenizeRequest(model=body_field(body, "model", (str,), ""))
-        if "messages" in body:
+        given = [name for name in ("prompt", "messages") if body.get(name) is not None]
+        if len(given) != 1:
+            raise HttpError(400, "give one of prompt (a text) and messages (a chat) to tokenize, "
+                                 f"not {' and '.join(given) or 'neither'}", "prompt")
+        if given == ["messages"]:
             tokenize.chat.CopyFrom(chat_messages(body))
         else:
-            tokenize.text = body_field(body, "prompt", (str,), "")
+            tokenize.text = body_field(body, "prompt", (str,))
         try:
             result = await self.service.tokenize(tokenize)
         except ApiError as error:

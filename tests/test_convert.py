@@ -34,3 +34,9 @@ def test_an_extra_args_value_with_no_kind_set_is_refused_naming_its_path(where):
             as refused:
         sampling_params_from_proto(params)
     assert refused.value.field == "extra_args"
+
+
+def test_a_json_object_constraint_set_to_false_is_refused_as_meaningless():
+    params = pb.SamplingParameters(structured_output=pb.StructuredOutput(json_object=False))
+    with pytest.raises(InvalidRequest, match=r"^structured_output.json_object is false, which constrains nothing"):
+        sampling_params_from_proto(params)

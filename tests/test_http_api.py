@@ -121,6 +121,22 @@ def test_completion_equals_grpc_greedy_output_with_usage(client, router, model):
     assert completion.usage.total_tokens == completion.usage.prompt_tokens + completion.usage.completion_tokens
 
 
+@pytest.mark.parametrize("include_usage", [True, False])
+def test_with_include_usage_every_chunk_has_usage_null_but_the_last(router, model, include_usage):
+    """OpenAI's wire format, which strict clients (typed SDKs) rely on."""
+    body = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "stream": True,
+            "stream_options": {"include_usage": include_usage}}
+    with httpx.stream("POST", f"{router.url}/v1/chat/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as reply:
+        chunks = [json.loads(line.removeprefix("data: ")) for line in reply.iter_lines()
+                  if line.startswith("data: {")]
+    if include_usage:
+        assert [c["usage"] for c in chunks[:-1]] == [None] * (len(chunks) - 1)
+        assert chunks[-1]["usage"]["completion_tokens"] == 4 and chunks[-1]["choices"] == []
+    else:
+        assert not any("usage" in c for c in chunks)
+
+
 def test_streamed_completion_equals_unstreamed_and_ends_with_usage(client, model):
     whole = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0)
     chunks = list(client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0,
@@ -204,6 +220,8 @@ def test_extra_sampling_fields_accepted(router, model):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
                               "top_logprobs": 21}, 400, "top_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role"),
+    ("/tokenize", {}, 400, "prompt"),
+    ("/tokenize", {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}, 400, "prompt"),
 ])
 def test_a_refused_request_gets_an_openai_error_naming_its_field_and_the_server_serves_on(
         router, model, path, body, status, param):
@@ -239,6 +257,7 @@ def test_missing_or_wrong_api_key_is_401_and_health_stays_open(router, model):
     for key in (None, "wrong"):
         r = post(router, "/v1/completions", {"model": model, "prompt": PROMPT}, key=key)
         assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
+        assert r.headers["WWW-Authenticate"] == "Bearer"
     assert httpx.get(f"{router.url}/health").status_code == 200
 
 
