@@ -75,6 +75,9 @@ async def _body_text(request: web.Request) -> str:
     if charset is not None and charset.lower() not in ("utf-8", "utf8"):
         raise HttpError(415, f"charset={charset} is not supported: send the JSON body as UTF-8 "
                         "(Content-Type: application/json, or with charset=utf-8)")
+    if (length := request.content_length) is not None and length > MAX_BODY_BYTES:
+        # Said at once, rather than after waiting for a body that may never come.
+        raise HttpError(413, f"request body too large: Content-Length {length}, at most {MAX_BODY_BYTES} bytes")
     try:
         return (await request.read()).decode("utf-8")
     except web.RequestPayloadError as error:     # a broken gzip stream, say

@@ -9,13 +9,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
+import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
-
-import re
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Literal
 
 import grpc
@@ -253,6 +253,14 @@ def test_oversized_body_is_413(router, model):
     assert r.status_code == 413 and "too large" in r.json()["error"]["message"]
 
 
+def test_a_content_length_past_the_limit_is_413_before_any_body_is_sent(router):
+    with socket.create_connection(("127.0.0.1", router.http_port), timeout=10) as raw:
+        raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"Authorization: Bearer " + API_KEY.encode() + b"\r\nContent-Length: 99999999999\r\n\r\n")
+        reply = raw.recv(4096).decode()
+    assert reply.startswith("HTTP/1.1 413") and "Content-Length 99999999999" in reply
+
+
 def test_missing_or_wrong_api_key_is_401_and_health_stays_open(router, model):
     for key in (None, "wrong"):
         r = post(router, "/v1/completions", {"model": model, "prompt": PROMPT}, key=key)
@@ -404,7 +412,6 @@ def test_odd_header_bytes_get_a_client_error(router, model, headers, status):
 
 
 def test_malformed_http_is_a_400_without_an_error_in_the_log(router):
-    import socket
     with socket.create_connection(("127.0.0.1", router.http_port)) as raw:
         raw.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Request-Id: a\x01b\r\n\r\n")
         assert raw.recv(100).split(b" ")[1] == b"400"
