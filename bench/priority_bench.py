@@ -74,7 +74,7 @@ from common.pb import generation_pb2 as pb  # noqa: E402
 from common.pb import generation_pb2_grpc  # noqa: E402
 from report import current_commit  # noqa: E402
 from w5 import GrpcClient, Outcome, Slo, distribution, log, ms, run_phase, serving, summarize  # noqa: E402
-from w5_workload import HIGHEST_ID, LOWEST_ID, W5Request, lognormal  # noqa: E402
+from w5_workload import HIGHEST_ID, LOWEST_ID, W5Request, lognormal, poisson_arrivals  # noqa: E402
 
 URGENT, LOW = "urgent", "low"
 CLASSES = (URGENT, LOW)
@@ -127,20 +127,12 @@ def generate(mix: PriorityMix, rate: float, *, seed: int, vocab_size: int, durat
              num_requests: int | None = None) -> list[PriorityRequest]:
     """The requests arriving at `rate` per second (Poisson) within `duration_s`, or the first
     `num_requests` of them: a function of (mix, rate, seed), so every setting gets the same."""
-    if (duration_s is None) == (num_requests is None):
-        raise ValueError("give exactly one of duration_s and num_requests")
-    if rate <= 0:
-        raise ValueError(f"rate {rate} must be above 0 requests/s")
     rate = float(rate)          # 8 and 8.0 draw the same requests
     shape = random.Random(f"priority:{seed}:{rate!r}:shape")
     content = random.Random(f"priority:{seed}:{rate!r}:content")
     high = min(HIGHEST_ID, vocab_size)
     requests: list[PriorityRequest] = []
-    arrival = 0.0
-    while num_requests is None or len(requests) < num_requests:
-        arrival += shape.expovariate(rate)
-        if duration_s is not None and arrival > duration_s:
-            break
+    for arrival in poisson_arrivals(shape, rate, duration_s, num_requests):
         # Every draw is made for every request, so another urgent share keeps the lengths.
         kind = URGENT if shape.random() < mix.urgent_share else LOW
         prompt_len = lognormal(shape, mix.prompt_mean, mix.prompt_sigma, mix.prompt_tokens)

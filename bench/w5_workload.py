@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 CHAT, DOCUMENT = "chat", "document"
@@ -96,25 +97,35 @@ def system_prompts(spec: W5Spec, *, seed: int, vocab_size: int) -> list[list[int
             for _ in range(spec.num_system_prompts)]
 
 
-def generate(spec: W5Spec, rate: float, *, seed: int, vocab_size: int, duration_s: float | None = None,
-             num_requests: int | None = None, salt: str = "") -> list[W5Request]:
-    """The requests arriving at `rate` per second (Poisson) within `duration_s`, or the first
-    `num_requests` of them; `salt` changes the unique tokens only (see the module's docstring)."""
+def poisson_arrivals(rng: random.Random, rate: float, duration_s: float | None,
+                     num_requests: int | None) -> Iterator[float]:
+    """Arrival times of a Poisson process at `rate` per second, drawn from `rng` one at a time
+    (a caller may draw a request's other features from it in between): those within
+    `duration_s`, or the first `num_requests`; exactly one of the two is given."""
     if (duration_s is None) == (num_requests is None):
         raise ValueError("give exactly one of duration_s and num_requests")
     if rate <= 0:
         raise ValueError(f"rate {rate} must be above 0 requests/s")
+    arrival, count = 0.0, 0
+    while num_requests is None or count < num_requests:
+        arrival += rng.expovariate(rate)
+        if duration_s is not None and arrival > duration_s:
+            return
+        yield arrival
+        count += 1
+
+
+def generate(spec: W5Spec, rate: float, *, seed: int, vocab_size: int, duration_s: float | None = None,
+             num_requests: int | None = None, salt: str = "") -> list[W5Request]:
+    """The requests arriving at `rate` per second (Poisson) within `duration_s`, or the first
+    `num_requests` of them; `salt` changes the unique tokens only (see the module's docstring)."""
     rate = float(rate)          # 8 and 8.0 draw the same requests
     shape = random.Random(f"w5:{seed}:{rate!r}:shape")
     content = random.Random(f"w5:{seed}:{rate!r}:{salt}:content")
     prompts = system_prompts(spec, seed=seed, vocab_size=vocab_size)
     weights = [1 / (i + 1) ** spec.popularity_exponent for i in range(len(prompts))]
     requests: list[W5Request] = []
-    arrival = 0.0
-    while num_requests is None or len(requests) < num_requests:
-        arrival += shape.expovariate(rate)
-        if duration_s is not None and arrival > duration_s:
-            break
+    for arrival in poisson_arrivals(shape, rate, duration_s, num_requests):
         # Every draw below is made for every request, whatever its kind, so that one request's
         # kind does not shift the next one's lengths between specs of different shares.
         is_document = shape.random() < spec.document_share
