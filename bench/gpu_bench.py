@@ -95,7 +95,7 @@ def bench_engine(args) -> dict:
                                     max_num_batched_tokens=args.max_num_batched_tokens,
                                     gpu_memory_utilization=0.85, enable_prefix_caching=False,
                                     tensor_parallel_size=args.tensor_parallel_size,
-                                    quantization=args.quantization))
+                                    quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype))
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
     out = {"weight_bytes": weight_bytes, "kv_blocks": engine.blocks.num_blocks}
     # Warm up on the W1 shapes themselves (every prefill chunk and decode batch size), so
@@ -204,10 +204,11 @@ def main() -> None:
     parser.add_argument("--quantization", default="none", choices=("none", "fp8", "gptq"),
                         help="the engine's --quantization (the dummy bf16 weights quantized on load; "
                              "gptq: rounded to 4 bits in groups of 128)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"), help="the engine's --kv-cache-dtype")
     args = parser.parse_args()
     result = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(),
               "model": args.model, "tensor_parallel_size": args.tensor_parallel_size,
-              "quantization": args.quantization,
+              "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
               "torch": torch.__version__, "commit": current_commit(),
               "copy_bytes_per_s": copy_bandwidth()}
     log(f"copy bandwidth {result['copy_bytes_per_s'] / 1e12:.2f} TB/s")
