@@ -24,6 +24,7 @@ from common.sampling_params import SamplingParams  # noqa: E402
 from worker.config import EngineConfig  # noqa: E402
 from worker.engine import LLMEngine  # noqa: E402
 from worker.models.loader import PRESETS  # noqa: E402
+from decode_profile import profile_steps  # noqa: E402
 from report import current_commit  # noqa: E402
 from workloads import w1_requests  # noqa: E402
 
@@ -67,28 +68,6 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> 
             "steps": engine.num_steps - steps0, "first_token_s": first_token}
 
 
-def profile_decode(engine: LLMEngine) -> dict:
-    """Where the time of batch-1 decode steps goes: GPU kernel time against wall time."""
-    from torch.profiler import ProfilerActivity, profile
-    engine.add_request("p", list(range(2000, 2128)), SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
-    for _ in range(8):
-        engine.step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        start = time.perf_counter()
-        for _ in range(24):
-            engine.step()
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - start
-    events = prof.key_averages()
-    gpu_us = sum(e.self_device_time_total for e in events)
-    print(events.table(sort_by="self_device_time_total", row_limit=12), flush=True)
-    print(events.table(sort_by="self_cpu_time_total", row_limit=12), flush=True)
-    while engine.has_unfinished():
-        engine.step()
-    return {"wall_ms_per_step": wall / 24 * 1e3, "gpu_ms_per_step": gpu_us / 24 / 1e3}
-
-
 def bench_engine(args) -> dict:
     engine = LLMEngine(EngineConfig(model=args.model, load_format="dummy", dtype="bfloat16",
                                     max_model_len=4096, max_num_seqs=args.max_num_seqs,
@@ -112,7 +91,7 @@ def bench_engine(args) -> dict:
         out["w1" + suffix] = w1
         log(f"W1 engine{suffix}", json.dumps(w1))
     if args.profile:
-        out["w2_profile"] = profile_decode(engine)
+        out["w2_profile"] = profile_steps(engine, steps=24, trace_path=None)
 
     # W4: the paged pool's KV bytes for 256 requests of 32..2048 tokens, at the moment all are
     # resident, against a contiguous cache padded to the longest request.
@@ -190,7 +169,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
     parser.add_argument("--skip-peer", action="store_true")
-    parser.add_argument("--profile", action="store_true", help="profile W2 decode steps")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile W2 decode steps (bench/decode_profile.py's kernel table)")
     parser.add_argument("--compare-sync", action="store_true",
                         help="also run W1 and W2 with asynchronous scheduling off")
     parser.add_argument("--peer-w1-requests", type=int, default=64,
