@@ -87,11 +87,7 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--trace", help="also write the chrome trace here")
-    parser.add_argument("--blas", default="default", choices=("default", "cublas", "cublaslt"),
-                        help="torch.backends.cuda.preferred_blas_library for the bf16 GEMMs")
     args = parser.parse_args()
-    if args.blas != "default":
-        torch.backends.cuda.preferred_blas_library(args.blas)
     # A small max_num_seqs: only batch 1 runs, and fewer CUDA graphs to capture.
     engine = LLMEngine(EngineConfig(model=args.model, load_format="dummy", dtype="bfloat16",
                                     max_model_len=4096, max_num_seqs=8, gpu_memory_utilization=0.85,
@@ -102,7 +98,7 @@ def main() -> None:
     rates = [decode_rate(engine) for _ in range(3)]
     rate = max(rates)
     result = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "commit": current_commit(),
-              "model": args.model, "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype, "blas": args.blas,
+              "model": args.model, "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
               "weight_bytes": weight_bytes, "w2_decode_tokens_per_s": rates,
               "achieved_weight_tb_per_s": weight_bytes * rate / 1e12,
               "profile": profile_steps(engine, args.steps, Path(args.trace) if args.trace else None)}

@@ -1,14 +1,15 @@
 """What each quantization costs in accuracy, on the embedded SmolLM2-135M (CPU): perplexity of
 the text the tests ship (`tests/helpers.py`'s LONG_STORY, teacher-forced), its change against
 float32, the mean KL divergence of the next-token distributions from float32's, and how often
-both pick the same top token. The weights' bytes of the decoder linears are printed too.
+both pick the same top token. The bytes of the decoder layers' parameters are printed too.
 
 Every row runs the engine's own CPU path for the format: `--quantization fp8` (W8A8, quantized on
 load), `int8`, `gguf` (the file's Q4_1 blocks kept), `--kv-cache-dtype fp8`, `--dtype bfloat16`;
 W4A16 is the engine's 4-bit linear over the weights rounded as `--load-format dummy` rounds them
 (`round_to_w4`: asymmetric min-max, no calibration) in groups of 64 (SmolLM2's 576 inputs take
-no groups of 128), since no 4-bit checkpoint of this model ships. The embedded file is itself Q4_1, so float32 here is its dequantized weights: every
-other format rounds weights that were rounded once already.
+no groups of 128), since no 4-bit checkpoint of this model ships. The embedded file is itself
+Q4_1, so float32 here is its dequantized weights: every other format rounds weights that were
+rounded once already.
 
     python bench/quant_quality.py --out quality.json
 """
