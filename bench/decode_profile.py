@@ -1,6 +1,7 @@
 """Where a batch-1 decode step goes (W2's shape, Llama-3.1-8B, dummy weights), from a torch
-profiler trace: the GPU's busy time per step against the wall time (the rest is the GPU
-waiting on the host), and each kernel's launches and time per step. Also W2's decode rate
+profiler trace: the GPU's busy time per step against the wall time (the rest is the GPU idle:
+between the launches of one CUDA graph, and waiting on the host), and each kernel's (and
+copy's) launches and time per step. Also W2's decode rate
 and the weight bandwidth it achieves (weight bytes x tokens/s, as gpt-fast prints it).
 
     python bench/decode_profile.py --out profile.json [--quantization fp8] [--kv-cache-dtype fp8]
@@ -22,9 +23,6 @@ from common.sampling_params import SamplingParams  # noqa: E402
 from worker.config import EngineConfig  # noqa: E402
 from worker.engine import LLMEngine  # noqa: E402
 from report import current_commit  # noqa: E402
-
-GPU_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset"}
-
 
 def decode_rate(engine: LLMEngine, prompt_len: int = 128, new_tokens: int = 256) -> float:
     """Decode tokens per second of one request (its first token, the prefill, excluded)."""

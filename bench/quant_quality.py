@@ -46,7 +46,7 @@ FORMATS = {
 }
 
 
-def linear_bytes(model: torch.nn.Module) -> int:
+def decoder_layer_bytes(model: torch.nn.Module) -> int:
     """Bytes of the decoder layers' parameters (the linears and the norms)."""
     return sum(p.numel() * p.element_size() for p in model.layers.parameters())
 
@@ -68,7 +68,7 @@ def main() -> None:
         logprobs = engine.prompt_logits(ids).float().log_softmax(-1)
         if base is None:
             base = logprobs
-        row = {"perplexity": perplexity(logprobs, ids), "decoder_bytes": linear_bytes(loaded[1]),
+        row = {"perplexity": perplexity(logprobs, ids), "decoder_bytes": decoder_layer_bytes(loaded[1]),
                "mean_kl_nats": (base.exp() * (base - logprobs)).sum(-1).mean().item(),
                "top1_agreement": (base.argmax(-1) == logprobs.argmax(-1)).float().mean().item()}
         row["perplexity_change"] = row["perplexity"] / rows.get("float32", row)["perplexity"] - 1
