@@ -29,9 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kernels.activation import silu_and_mul, silu_and_mul_ref  # noqa: E402
 from kernels.attention import paged_attention_ref  # noqa: E402
-from kernels.cache import write_kv, write_kv_ref  # noqa: E402
+from kernels.cache import write_kv_ref  # noqa: E402
 from kernels.norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref  # noqa: E402
-from kernels.rotary import apply_rotary, apply_rotary_ref, build_cos_sin_cache  # noqa: E402
+from kernels.rotary import apply_rotary_and_write_kv, apply_rotary_ref, build_cos_sin_cache  # noqa: E402
 from kernels.triton_attention import AttentionConfig, paged_attention_triton  # noqa: E402
 
 COPY_CEILING = 4.25e12  # bytes/s, device-to-device copy on an H200 (read + written)
@@ -182,6 +182,12 @@ def bench_attention(sweep: bool, copy_bw: float) -> list[dict]:
     return rows
 
 
+def rotary_then_write_ref(positions, q, k, v, cos_sin, k_cache, v_cache, slots) -> torch.Tensor:
+    q, k = apply_rotary_ref(positions, q, k, cos_sin)
+    write_kv_ref(k, v, k_cache, v_cache, slots)
+    return q
+
+
 def bench_elementwise(copy_bw: float) -> list[dict]:
     tokens, elem = 8192, 2
     x = torch.randn(tokens, HIDDEN, device="cuda", dtype=DTYPE)
@@ -206,13 +212,12 @@ def bench_elementwise(copy_bw: float) -> list[dict]:
         (f"fused_add_rms_norm {tokens}x{HIDDEN}",
          lambda: fused_add_rms_norm(x, residual, weight, 1e-5),
          lambda: fused_add_rms_norm_ref(x, residual, weight, 1e-5), 4 * act),
-        (f"rotary {tokens} tok 32+8 heads", lambda: apply_rotary(positions, q, k, cos_sin),
-         lambda: apply_rotary_ref(positions, q, k, cos_sin),
-         2 * qk + tokens * HEAD_DIM * 4),
+        (f"rotary + write_kv {tokens} tok 32+8 heads",
+         lambda: apply_rotary_and_write_kv(positions, q, k, v, cos_sin, k_cache, v_cache, slots),
+         lambda: rotary_then_write_ref(positions, q, k, v, cos_sin, k_cache, v_cache, slots),
+         2 * qk + 2 * kv + tokens * HEAD_DIM * 4),
         (f"silu_and_mul {tokens}x{INTERMEDIATE}", lambda: silu_and_mul(gate_up),
          lambda: silu_and_mul_ref(gate_up), 3 * tokens * INTERMEDIATE * elem),
-        (f"write_kv {tokens} tok", lambda: write_kv(k, v, k_cache, v_cache, slots),
-         lambda: write_kv_ref(k, v, k_cache, v_cache, slots), 4 * kv),
     ]
     return [row(name, graph_time(fn), nbytes, 0, eager_time(ref), copy_bw)
             for name, fn, ref, nbytes in cases]

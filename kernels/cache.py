@@ -51,17 +51,6 @@ def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> tor
     return picked.view(cache.dtype)
 
 
-def write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
-    """`k_scale`/`v_scale`: required by a float8 pool, ignored by others."""
-    if is_fp8(k_cache) and (k_scale is None or v_scale is None):
-        raise ValueError("a float8 KV pool needs k_scale and v_scale")
-    if k_cache.is_cuda:
-        from .triton_cache import write_kv_triton
-        write_kv_triton(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
-        return
-    write_kv_ref(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
-
-
 def _as_bytes(cache: torch.Tensor) -> torch.Tensor:
     """A float8 pool as bytes, for moves: indexing float8 tensors is not supported everywhere."""
     return cache.view(torch.uint8) if is_fp8(cache) else cache

@@ -1,12 +1,15 @@
 """Rotary position embedding (rotate-half / GPT-NeoX layout, as Hugging Face Llama uses).
 
 The cos/sin table is built once per model: `cos_sin_cache[max_positions, rotary_dim]` holds
-the cosines in its first half and the sines in its second.
+the cosines in its first half and the sines in its second. `apply_rotary_and_write_kv` is how
+the model applies it: with the step's write of K/V into the paged pool.
 """
 
 import math
 
 import torch
+
+from .cache import is_fp8, write_kv_ref
 
 
 def rope_inv_freq(rotary_dim: int, base: float, scaling: dict | None) -> torch.Tensor:
@@ -54,8 +57,19 @@ def apply_rotary_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
-def apply_rotary(positions, q, k, cos_sin_cache):
+def apply_rotary_and_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                              cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                              v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention's inputs of a step: rotates `q` and `k` by the angles of `positions`, stores
+    the rotated keys and the values `v` at their slots of the pool (`kernels.cache`; a float8
+    pool needs `k_scale`/`v_scale`) and returns the rotated queries. One kernel on a GPU."""
+    if is_fp8(k_cache) and (k_scale is None or v_scale is None):
+        raise ValueError("a float8 KV pool needs k_scale and v_scale")
     if q.is_cuda:
-        from .triton_rotary import apply_rotary_triton
-        return apply_rotary_triton(positions, q, k, cos_sin_cache)
-    return apply_rotary_ref(positions, q, k, cos_sin_cache)
+        from .triton_rotary import rotary_write_kv_triton
+        return rotary_write_kv_triton(positions, q, k, v, cos_sin_cache, k_cache, v_cache,
+                                      slot_mapping, k_scale, v_scale)
+    q, k = apply_rotary_ref(positions, q, k, cos_sin_cache)
+    write_kv_ref(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    return q

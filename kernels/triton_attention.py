@@ -4,7 +4,8 @@ The sequences of a step are told apart at run time, on the device, by their quer
 
 * single-query sequences (decodes) go to `_decode_kernel`, one program per (sequence, KV
   head, split of the context). Long contexts are split so that even a modest batch of
-  decodes fills every SM; `_reduce_kernel` then merges the splits by their log-sum-exp.
+  decodes fills every SM; the last split of each (sequence, KV head) to finish merges the
+  splits by their log-sum-exp.
 * longer ones (prefill chunks, with or without earlier context in the pool) go to
   `_prefill_kernel`, FlashAttention-style: one program per tile of query tokens and KV
   head, key tiles above the causal diagonal never visited.
@@ -24,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_split_k import num_sms
+from .triton_split_k import num_sms, split_k_counters
 
 
 @dataclass(frozen=True)
@@ -103,8 +104,8 @@ def _attend(acc, m_i, l_i, q, q_pos, k_cache, v_cache, block_table, kv_head, lo,
 
 
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])
-def _decode_kernel(out, part_out, part_lse, q, k_cache, v_cache, k_scale, v_scale, block_tables,
-                   seq_lens, query_start_loc, qk_scale, num_splits,
+def _decode_kernel(out, part_out, part_lse, counters, q, k_cache, v_cache, k_scale, v_scale,
+                   block_tables, seq_lens, query_start_loc, qk_scale, num_splits,
                    stride_qt, stride_qh, stride_ot, stride_oh,
                    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
                    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
@@ -122,8 +123,13 @@ def _decode_kernel(out, part_out, part_lse, q, k_cache, v_cache, k_scale, v_scal
         return
     seq_len = tl.load(seq_lens + seq)
 
-    # Splits are cut from the actual length, so a bound passed as max_seq_len costs nothing.
+    # Splits are cut from the actual length, in whole key tiles, so a bound passed as
+    # max_seq_len costs nothing: the programs of splits a short context does not reach return
+    # here, and a context of one split is written out by its one program.
     per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    active = tl.cdiv(seq_len, per_split)
+    if split >= active:
+        return
     lo = split * per_split
     hi = tl.minimum(lo + per_split, seq_len)
 
@@ -145,52 +151,43 @@ def _decode_kernel(out, part_out, part_lse, q, k_cache, v_cache, k_scale, v_scal
                             qk_scale, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
                             stride_vh, BLOCK_SIZE, BLOCK_N, HEAD_DIM, True, DOT_PRECISION)
 
-    # An empty split (short sequence) leaves l_i = 0, m_i = -inf: it reports lse = -inf and
-    # weighs nothing in the reduction.
-    l_i = tl.where(l_i > 0, l_i, 1.0)
     if SCALED:
         acc = acc * (tl.load(v_scale + kv_head) / l_i)[:, None]
     else:
         acc = acc / l_i[:, None]
+    out_ptrs = out + q_start * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
     if not SPLIT:
-        tl.store(out + q_start * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-                 acc.to(out.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(out_ptrs, acc.to(out.dtype.element_ty), mask=row_ok[:, None])
+    elif active == 1:
+        tl.store(out_ptrs, acc.to(out.dtype.element_ty), mask=row_ok[:, None])
     else:
-        part = (seq * NUM_HEADS + heads) * num_splits + split
-        tl.store(part_out + part[:, None] * HEAD_DIM + offs_d[None, :], acc,
+        # Every split stores its part; the last of the sequence's KV head to arrive merges
+        # them by their log-sum-exp, in split order (whoever came last), and re-zeroes the
+        # counter. One launch, where a second kernel for the merge cost a launch per layer.
+        first = (seq * NUM_HEADS + heads) * num_splits
+        tl.store(part_out + (first + split)[:, None] * HEAD_DIM + offs_d[None, :], acc,
                  mask=row_ok[:, None])
-        tl.store(part_lse + part, m_i + tl.log2(l_i), mask=row_ok)
-
-
-@triton.jit(do_not_specialize=["num_splits"])
-def _reduce_kernel(out, part_out, part_lse, query_start_loc, num_splits, stride_ot, stride_oh,
-                   NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SPLITS: tl.constexpr):
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    q_start = tl.load(query_start_loc + seq)
-    if tl.load(query_start_loc + seq + 1) - q_start != 1:
-        return
-    # The splits are visited BLOCK_SPLITS at a time, so one compiled variant serves any count.
-    offs_s = tl.arange(0, BLOCK_SPLITS)
-    offs_d = tl.arange(0, HEAD_DIM)
-    first = (seq * NUM_HEADS + head) * num_splits
-    m = tl.full([BLOCK_SPLITS], float("-inf"), tl.float32)
-    for start in range(0, num_splits, BLOCK_SPLITS):
-        splits = start + offs_s
-        m = tl.maximum(m, tl.load(part_lse + first + splits, mask=splits < num_splits,
-                                  other=float("-inf")))
-    m_max = tl.max(m, 0)
-    acc = tl.zeros([BLOCK_SPLITS, HEAD_DIM], tl.float32)
-    weights = tl.zeros([BLOCK_SPLITS], tl.float32)
-    for start in range(0, num_splits, BLOCK_SPLITS):
-        splits = start + offs_s
-        ok = splits < num_splits
-        weight = tl.exp2(tl.load(part_lse + first + splits, mask=ok, other=float("-inf")) - m_max)
-        acc += tl.load(part_out + (first + splits)[:, None] * HEAD_DIM + offs_d[None, :],
-                       mask=ok[:, None], other=0.0) * weight[:, None]
-        weights += weight
-    result = tl.sum(acc, 0) / tl.sum(weights, 0)
-    tl.store(out + q_start * stride_ot + head * stride_oh + offs_d, result.to(out.dtype.element_ty))
+        tl.store(part_lse + first + split, m_i + tl.log2(l_i), mask=row_ok)
+        # All threads' stores precede the releasing atomic (see triton_split_k.split_k_reduce).
+        tl.debug_barrier()
+        tile = seq * tl.num_programs(1) + kv_head
+        if tl.atomic_add(counters + tile, 1, sem="acq_rel", scope="gpu") == active - 1:
+            m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+            weights = tl.zeros([BLOCK_G], tl.float32)
+            total = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+            for s in range(0, active):
+                # .cg: from L2, where the other programs' stores are, never a stale L1 line.
+                lse = tl.load(part_lse + first + s, mask=row_ok, other=0.0, cache_modifier=".cg")
+                part = tl.load(part_out + (first + s)[:, None] * HEAD_DIM + offs_d[None, :],
+                               mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
+                m_new = tl.maximum(m, lse)
+                old, new = tl.exp2(m - m_new), tl.exp2(lse - m_new)
+                total = total * old[:, None] + part * new[:, None]
+                weights = weights * old + new
+                m = m_new
+            tl.store(out_ptrs, (total / weights[:, None]).to(out.dtype.element_ty),
+                     mask=row_ok[:, None])
+            tl.atomic_xchg(counters + tile, 0)
 
 
 @triton.jit
@@ -315,26 +312,23 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     q_f16 = scaled and q.element_size() == 2
     scales = (k_scale, v_scale) if scaled else (seq_lens, seq_lens)   # unread unless SCALED
 
+    block_n = cfg.decode_block_n or _DECODE_BLOCK_N[k_cache.element_size()]
     num_splits = cfg.num_splits or decode_num_splits(num_seqs, num_kv_heads, max_seq_len,
                                                      q.device)
-    part_out = part_lse = out  # placeholders: unused when there is a single split
+    part_out = part_lse = counters = out  # placeholders: unused when there is a single split
     if num_splits > 1:
         part_out = torch.empty((num_seqs, num_heads, num_splits, head_dim),
                                dtype=torch.float32, device=q.device)
         part_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32,
                                device=q.device)
+        counters = split_k_counters(q.device, num_seqs * num_kv_heads)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        out, part_out, part_lse, q, k_cache, v_cache, *scales, block_tables, seq_lens,
+        out, part_out, part_lse, counters, q, k_cache, v_cache, *scales, block_tables, seq_lens,
         query_start_loc, qk_scale, num_splits, q.stride(0), q.stride(1), out.stride(0),
         out.stride(1), *pool_strides,
         NUM_HEADS=num_heads, GROUP=group, BLOCK_G=max(16, group_pad), HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, BLOCK_N=cfg.decode_block_n or _DECODE_BLOCK_N[k_cache.element_size()],
-        SPLIT=num_splits > 1, SCALED=scaled, Q_F16=q_f16, DOT_PRECISION=dot_precision, num_warps=cfg.decode_num_warps,
-        num_stages=cfg.decode_num_stages)
-    if num_splits > 1:
-        _reduce_kernel[(num_seqs, num_heads)](
-            out, part_out, part_lse, query_start_loc, num_splits, out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_SPLITS=16)
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=num_splits > 1, SCALED=scaled, Q_F16=q_f16,
+        DOT_PRECISION=dot_precision, num_warps=cfg.decode_num_warps, num_stages=cfg.decode_num_stages)
 
     if max_query_len > 1:
         # Wide rows (fp32, head_dim over 128) need twice the shared memory per tile: halve

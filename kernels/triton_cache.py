@@ -1,60 +1,11 @@
-"""Triton KV-pool writes and block copies (meaning: `write_kv_ref`, `copy_blocks_ref`)."""
+"""Triton block copies inside the KV pool (meaning: `copy_blocks_ref`). The pool's writes are
+fused with rotary (`kernels.triton_rotary`)."""
 
 import torch
 import triton
 import triton.language as tl
 
-from .fp8 import FP8_DTYPE, FP8_MAX
-
-
-@triton.jit
-def _write_kv_kernel(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale,
-                     stride_kt, stride_kh, stride_vt, stride_vh,
-                     stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
-                     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                     BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                     FP8: tl.constexpr, FP8_MAX: tl.constexpr):
-    token = tl.program_id(0)
-    slot = tl.load(slot_mapping + token).to(tl.int64)
-    if slot < 0:  # padding token: its K/V go nowhere
-        return
-    block = slot // BLOCK_SIZE
-    offset = slot % BLOCK_SIZE
-    h = tl.arange(0, BLOCK_H)[:, None]
-    d = tl.arange(0, BLOCK_D)[None, :]
-    mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
-    k = tl.load(key + token * stride_kt + h * stride_kh + d, mask=mask)
-    v = tl.load(value + token * stride_vt + h * stride_vh + d, mask=mask)
-    if FP8:     # x / scale, saturated: e4m3 has no infinity, and a cast past 448 gives NaN
-        heads = tl.arange(0, BLOCK_H)
-        ks = tl.load(k_scale + heads, mask=heads < NUM_KV_HEADS, other=1.0)[:, None]
-        vs = tl.load(v_scale + heads, mask=heads < NUM_KV_HEADS, other=1.0)[:, None]
-        k = tl.clamp(k.to(tl.float32) / ks, -FP8_MAX, FP8_MAX)
-        v = tl.clamp(v.to(tl.float32) / vs, -FP8_MAX, FP8_MAX)
-    tl.store(k_cache + block * stride_kcb + offset * stride_kct + h * stride_kch + d,
-             k.to(k_cache.dtype.element_ty), mask=mask)
-    tl.store(v_cache + block * stride_vcb + offset * stride_vct + h * stride_vch + d,
-             v.to(v_cache.dtype.element_ty), mask=mask)
-
-
-def write_kv_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
-    num_tokens = slot_mapping.shape[0]
-    _, block_size, num_kv_heads, head_dim = k_cache.shape
-    assert key.stride(-1) == value.stride(-1) == 1
-    assert k_cache.stride(-1) == v_cache.stride(-1) == 1
-    if num_tokens == 0:
-        return
-    fp8 = k_cache.dtype == FP8_DTYPE
-    _write_kv_kernel[(num_tokens,)](
-        key, value, k_cache, v_cache, slot_mapping,
-        k_scale if fp8 else slot_mapping, v_scale if fp8 else slot_mapping,   # unread unless FP8
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        *k_cache.stride()[:3], *v_cache.stride()[:3],
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_H=triton.next_power_of_2(num_kv_heads),
-        BLOCK_D=triton.next_power_of_2(head_dim), FP8=fp8, FP8_MAX=FP8_MAX)
+from .fp8 import FP8_DTYPE
 
 
 @triton.jit

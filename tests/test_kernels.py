@@ -17,11 +17,10 @@ from kernels.cache import (
     copy_blocks,
     copy_blocks_ref,
     swap_blocks,
-    write_kv,
     write_kv_ref,
 )
 from kernels.norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
-from kernels.rotary import apply_rotary, apply_rotary_ref, build_cos_sin_cache
+from kernels.rotary import apply_rotary_and_write_kv, apply_rotary_ref, build_cos_sin_cache
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
@@ -194,6 +193,22 @@ def test_copy_and_swap_blocks_ref_match_naive():
 
 # --------------------------------------------------------------- float8 KV pools (CPU)
 
+def rotary_and_write_ref(positions, q, k, v, cos_sin, k_cache, v_cache, slots, k_scale=None, v_scale=None):
+    """What `apply_rotary_and_write_kv` means, from the two references."""
+    q, k = apply_rotary_ref(positions, q, k, cos_sin)
+    write_kv_ref(k, v, k_cache, v_cache, slots, k_scale, v_scale)
+    return q
+
+
+def write_kv_unrotated(key, value, k_cache, v_cache, slots, k_scale=None, v_scale=None) -> None:
+    """The pool write of `apply_rotary_and_write_kv` alone: at position 0 the rotation is the
+    identity, exactly (cos 1, sin 0), so its stores must equal `write_kv_ref`'s bit for bit."""
+    num_tokens, _, head_dim = key.shape
+    positions = torch.zeros(num_tokens, dtype=torch.long, device=key.device)
+    cos_sin = build_cos_sin_cache(head_dim, 1, 10000.0).to(key.device)
+    apply_rotary_and_write_kv(positions, key, key, value, cos_sin, k_cache, v_cache, slots, k_scale, v_scale)
+
+
 def fp8_pool_batch(seed: int = 0) -> tuple[dict, torch.Tensor, torch.Tensor]:
     """A mixed batch over a float8 pool, with a scale per KV head (values of several
     magnitudes, so that the scales matter), and the scales."""
@@ -339,7 +354,7 @@ def test_interp_attention(shape, batch_name, dtype):
 
 
 @interpreter_only
-@pytest.mark.parametrize("num_splits", [1, 3, 37])   # 37: more splits than one reduce tile
+@pytest.mark.parametrize("num_splits", [1, 3, 37])   # 37: more splits than the context has key tiles
 def test_interp_attention_ignores_unwritten_slots(num_splits):
     from kernels.triton_attention import AttentionConfig, paged_attention_triton
 
@@ -352,20 +367,44 @@ def test_interp_attention_ignores_unwritten_slots(num_splits):
 
 @interpreter_only
 @pytest.mark.parametrize("dtype", INTERP_DTYPES, ids=str)
-def test_interp_cache_ops(dtype):
-    from kernels.triton_cache import copy_blocks_triton, write_kv_triton
-
+def test_interp_rotary_and_kv_write(dtype):
     k_cache = torch.randn(10, 16, 3, 64).to(dtype)
     v_cache = torch.randn(10, 16, 3, 64).to(dtype)
     want_k, want_v = k_cache.clone(), v_cache.clone()
-    # key/value as views of a fused projection, as the model hands them over
+    cos_sin = build_cos_sin_cache(64, 200, 10000.0)
+    positions = torch.tensor([0, 5, 199, 3, 3, 17, 60])
+    # q/k/v as views of a fused projection, as the model hands them over
+    qkv = torch.randn(7, 9 + 2 * 3, 64).to(dtype)
+    q, k, v = qkv[:, :9], qkv[:, 9:12], qkv[:, 12:]
+    slots = torch.tensor([5, -1, 17, 159, 0, -1, 33])
+    want_q = rotary_and_write_ref(positions, q, k, v, cos_sin, want_k, want_v, slots)
+    got_q = apply_rotary_and_write_kv(positions, q, k, v, cos_sin, k_cache, v_cache, slots)
+    tol = INTERP_TOL[dtype]
+    torch.testing.assert_close(got_q, want_q, **tol)
+    torch.testing.assert_close(k_cache, want_k, **tol)
+    assert torch.equal(v_cache, want_v)
+
+
+@interpreter_only
+@pytest.mark.parametrize("dtype", INTERP_DTYPES, ids=str)
+def test_interp_kv_write_stores_what_the_reference_stores(dtype):
+    k_cache = torch.randn(10, 16, 3, 64).to(dtype)
+    v_cache = torch.randn(10, 16, 3, 64).to(dtype)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
     kv = torch.randn(7, 2, 3, 64).to(dtype)
     slots = torch.tensor([5, -1, 17, 159, 0, -1, 33])
     write_kv_ref(kv[:, 0], kv[:, 1], want_k, want_v, slots)
-    write_kv_triton(kv[:, 0], kv[:, 1], k_cache, v_cache, slots)
+    write_kv_unrotated(kv[:, 0], kv[:, 1], k_cache, v_cache, slots)
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
 
-    caches = [k_cache, v_cache, torch.randn(10, 32, 64).to(dtype)]
+
+@interpreter_only
+@pytest.mark.parametrize("dtype", INTERP_DTYPES, ids=str)
+def test_interp_copy_blocks(dtype):
+    from kernels.triton_cache import copy_blocks_triton
+
+    caches = [torch.randn(10, 16, 3, 64).to(dtype), torch.randn(10, 16, 3, 64).to(dtype),
+              torch.randn(10, 32, 64).to(dtype)]
     want = [c.clone() for c in caches]
     pairs = torch.tensor([[1, 4], [2, 7], [1, 9]], dtype=torch.int32)
     copy_blocks_ref(want, pairs)
@@ -387,8 +426,6 @@ def test_interp_attention_over_a_float8_pool():
 def test_interp_write_kv_to_a_float8_pool():
     """On values a float8 holds exactly, over power-of-two scales: the interpreter rounds
     float8 conversions its own way (the GPU test covers rounding, asking for equal bits)."""
-    from kernels.triton_cache import write_kv_triton
-
     k_cache = torch.zeros(10, 16, 3, 64, dtype=FP8_KV_DTYPE)
     v_cache = torch.zeros_like(k_cache)
     want_k, want_v = k_cache.clone(), v_cache.clone()
@@ -398,7 +435,7 @@ def test_interp_write_kv_to_a_float8_pool():
     kv[0, 0, 0, 0] = 1e6                                   # saturates
     slots = torch.tensor([5, -1, 17, 159, 0, -1, 33])
     write_kv_ref(kv[:, 0], kv[:, 1], want_k, want_v, slots, k_scale, v_scale)
-    write_kv_triton(kv[:, 0], kv[:, 1], k_cache, v_cache, slots, k_scale, v_scale)
+    write_kv_unrotated(kv[:, 0], kv[:, 1], k_cache, v_cache, slots, k_scale, v_scale)
     assert torch.equal(k_cache.view(torch.uint8), want_k.view(torch.uint8))
     assert torch.equal(v_cache.view(torch.uint8), want_v.view(torch.uint8))
     assert want_k[0, 5, 0, 0].float() == FP8_KV_MAX
@@ -409,7 +446,6 @@ def test_interp_write_kv_to_a_float8_pool():
 def test_interp_elementwise(dtype):
     from kernels.triton_activation import silu_and_mul_triton
     from kernels.triton_norm import fused_add_rms_norm_triton, rms_norm_triton
-    from kernels.triton_rotary import apply_rotary_triton
 
     tol = INTERP_TOL[dtype]
     x, residual = torch.randn(2, 3, 576).to(dtype), torch.randn(2, 3, 576).to(dtype)
@@ -418,14 +454,6 @@ def test_interp_elementwise(dtype):
                                **tol)
     for got, want in zip(fused_add_rms_norm_triton(x, residual, weight, 1e-5),
                          fused_add_rms_norm_ref(x, residual, weight, 1e-5)):
-        torch.testing.assert_close(got, want, **tol)
-
-    cache = build_cos_sin_cache(64, 100, 10000.0)
-    positions = torch.tensor([0, 5, 99, 3, 3])
-    qkv = torch.randn(5, 9 + 3, 64).to(dtype)
-    q, k = qkv[:, :9], qkv[:, 9:]
-    for got, want in zip(apply_rotary_triton(positions, q, k, cache),
-                         apply_rotary_ref(positions, q, k, cache)):
         torch.testing.assert_close(got, want, **tol)
 
     x = torch.randn(4, 3, 2 * 1536).to(dtype)
@@ -490,16 +518,20 @@ def test_gpu_attention_splits_and_unwritten_slots(num_splits):
 
 @pytest.mark.gpu
 def test_gpu_decode_step_replays_in_cuda_graph():
-    """KV write + attention captured once with fixed bounds, replayed over new lengths."""
+    """Rotary + KV write + attention captured once with fixed bounds, replayed over new lengths."""
     num_seqs, bound = 8, 2048
     batch = paged_batch([1] * num_seqs, [bound] * num_seqs, 8, 2, 128, 16, torch.bfloat16, "cuda")
     static = {k: v for k, v in batch.items() if torch.is_tensor(v)}
     new_k = torch.zeros(num_seqs, 2, 128, dtype=torch.bfloat16, device="cuda")
     new_v = torch.zeros_like(new_k)
     slots = torch.zeros(num_seqs, dtype=torch.int64, device="cuda")
+    # Position 0 everywhere: the rotation is the identity, so the pool must hold new_k as is.
+    positions = torch.zeros(num_seqs, dtype=torch.int64, device="cuda")
+    cos_sin = build_cos_sin_cache(128, 1, 10000.0).cuda()
 
     def step() -> torch.Tensor:
-        write_kv(new_k, new_v, static["k_cache"], static["v_cache"], slots)
+        apply_rotary_and_write_kv(positions, new_k, new_k, new_v, cos_sin, static["k_cache"],
+                                  static["v_cache"], slots)
         return paged_attention(**static, max_query_len=1, max_seq_len=bound,
                                scale=batch["scale"])
 
@@ -518,9 +550,11 @@ def test_gpu_decode_step_replays_in_cuda_graph():
         lens[-1] = 0  # a padding sequence: no query, no slot
         static["seq_lens"].copy_(lens)
         static["query_start_loc"].copy_(torch.tensor([0, *range(1, num_seqs), num_seqs - 1]))
-        positions = (lens - 1).clamp(min=0)
-        block_ids = static["block_tables"].cpu().gather(1, (positions // 16)[:, None])[:, 0]
-        slot_ids = block_ids * 16 + positions % 16
+        # Named apart from `positions`: rebinding the name step() reads would free the tensor
+        # the graph captured, and its replays would read whatever took that memory.
+        last = (lens - 1).clamp(min=0)
+        block_ids = static["block_tables"].cpu().gather(1, (last // 16)[:, None])[:, 0]
+        slot_ids = block_ids * 16 + last % 16
         slot_ids[-1] = -1
         slots.copy_(slot_ids)
         new_k.copy_(torch.randn(new_k.shape, generator=g))
@@ -538,7 +572,7 @@ def test_gpu_decode_step_replays_in_cuda_graph():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-def test_gpu_write_kv_and_copy_blocks(dtype):
+def test_gpu_kv_write_and_copy_blocks(dtype):
     rng = torch.Generator().manual_seed(1)
     for block_size, num_kv_heads, head_dim in [(16, 8, 128), (32, 3, 64)]:
         shape = (64, block_size, num_kv_heads, head_dim)
@@ -549,7 +583,7 @@ def test_gpu_write_kv_and_copy_blocks(dtype):
         slots = torch.randperm(64 * block_size, generator=rng)[:300]
         slots[::7] = -1
         write_kv_ref(kv[:, 0], kv[:, 1], want_k, want_v, slots.cuda())
-        write_kv(kv[:, 0], kv[:, 1], k_cache, v_cache, slots.cuda())
+        write_kv_unrotated(kv[:, 0], kv[:, 1], k_cache, v_cache, slots.cuda())
         assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
 
         caches = [k_cache, v_cache, torch.randn(64, 7, 33, generator=rng).to(dtype).cuda()]
@@ -607,17 +641,25 @@ def test_gpu_norms(dtype, hidden):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("heads,head_dim", [((32, 8), 128), ((9, 3), 64), ((16, 16), 64)])
-def test_gpu_rotary(dtype, heads, head_dim):
+# (8, 1): one KV head, as a multi-query model has, or a rank of Llama-3-8B's 8 under 8-way TP.
+@pytest.mark.parametrize("heads,head_dim", [((32, 8), 128), ((9, 3), 64), ((16, 16), 64), ((8, 1), 128)])
+def test_gpu_rotary_and_kv_write(dtype, heads, head_dim):
     num_heads, num_kv_heads = heads
     rng = torch.Generator().manual_seed(head_dim)
     cache = build_cos_sin_cache(head_dim, 8192, 500000.0).cuda()
     positions = torch.randint(0, 8192, (333,), generator=rng).cuda()
     qkv = torch.randn(333, num_heads + 2 * num_kv_heads, head_dim, generator=rng).to(dtype).cuda()
-    q, k = qkv[:, :num_heads], qkv[:, num_heads:num_heads + num_kv_heads]
-    for got, want in zip(apply_rotary(positions, q, k, cache),
-                         apply_rotary_ref(positions, q, k, cache)):
-        torch.testing.assert_close(got, want, **GPU_ELEMENTWISE_TOL[dtype])
+    q, k, v = qkv[:, :num_heads], qkv[:, num_heads:num_heads + num_kv_heads], qkv[:, num_heads + num_kv_heads:]
+    k_cache = torch.randn(40, 16, num_kv_heads, head_dim, generator=rng).to(dtype).cuda()
+    v_cache = torch.randn_like(k_cache)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    slots = torch.randperm(40 * 16, generator=rng)[:333].cuda()
+    slots[::5] = -1
+    want_q = rotary_and_write_ref(positions, q, k, v, cache, want_k, want_v, slots)
+    got_q = apply_rotary_and_write_kv(positions, q, k, v, cache, k_cache, v_cache, slots)
+    torch.testing.assert_close(got_q, want_q, **GPU_ELEMENTWISE_TOL[dtype])
+    torch.testing.assert_close(k_cache, want_k, **GPU_ELEMENTWISE_TOL[dtype])
+    assert torch.equal(v_cache, want_v)
 
 
 @pytest.mark.gpu
@@ -649,7 +691,7 @@ def test_gpu_attention_over_a_float8_pool(q_dtype):
 
 
 @pytest.mark.gpu
-def test_gpu_write_kv_to_a_float8_pool_rounds_as_the_reference():
+def test_gpu_kv_write_to_a_float8_pool_rounds_as_the_reference():
     rng = torch.Generator().manual_seed(2)
     shape = (64, 16, 8, 128)
     k_cache = torch.zeros(shape, dtype=FP8_KV_DTYPE, device="cuda")
@@ -661,7 +703,7 @@ def test_gpu_write_kv_to_a_float8_pool_rounds_as_the_reference():
     slots = torch.randperm(64 * 16, generator=rng)[:300].cuda()
     slots[::7] = -1
     write_kv_ref(kv[:, 0], kv[:, 1], want_k, want_v, slots, k_scale, v_scale)
-    write_kv(kv[:, 0], kv[:, 1], k_cache, v_cache, slots, k_scale, v_scale)
+    write_kv_unrotated(kv[:, 0], kv[:, 1], k_cache, v_cache, slots, k_scale, v_scale)
     assert torch.equal(k_cache.view(torch.uint8), want_k.view(torch.uint8))
     assert torch.equal(v_cache.view(torch.uint8), want_v.view(torch.uint8))
     assert not k_cache.float().isnan().any()

@@ -17,9 +17,8 @@ from torch import nn
 
 from kernels.activation import silu_and_mul
 from kernels.attention import paged_attention
-from kernels.cache import write_kv
 from kernels.norm import fused_add_rms_norm, rms_norm
-from kernels.rotary import apply_rotary, build_cos_sin_cache
+from kernels.rotary import apply_rotary_and_write_kv, build_cos_sin_cache
 from worker.config import ModelConfig
 from worker.context import get_context
 from worker.parallel import Shard, all_reduce, gather_last_dim, split_heads
@@ -100,8 +99,8 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(positions, q, k, cos_sin)
-        write_kv(k, v, self.k_cache, self.v_cache, ctx.slot_mapping, self.k_scale, self.v_scale)
+        q = apply_rotary_and_write_kv(positions, q, k, v, cos_sin, self.k_cache, self.v_cache,
+                                      ctx.slot_mapping, self.k_scale, self.v_scale)
         out = paged_attention(q, self.k_cache, self.v_cache, ctx.block_tables, ctx.seq_lens,
                               ctx.query_start_loc, ctx.max_query_len, ctx.max_seq_len, self.scale,
                               ctx.gather_plan, self.k_scale, self.v_scale)
