@@ -24,7 +24,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 GROUPS = {"engine": ["tests/test_gpu_stress.py", "tests/test_gpu_engine.py", "tests/test_gpu_serving.py"],
-          "kernels": ["tests/test_kernels.py", "tests/test_fp8.py", "tests/test_w4a16.py",
+          "kernels": ["tests/test_kernels.py", "tests/test_linear.py", "tests/test_fp8.py", "tests/test_fp8_grouped.py",
+                      "tests/test_w4a16.py",
                       "tests/test_gguf_quantized.py", "tests/test_kv_cache_dtype.py", "tests/test_lora.py",
                       "tests/test_lora_kernels.py"]}
 

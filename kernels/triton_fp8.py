@@ -9,7 +9,8 @@
   (decode) linear, W8A16. The float8 weight `[N, K]` (row-major) is streamed once, each tile
   converted in registers (e4m3 values are exact in bfloat16, float16 and float32) and
   multiplied with the unquantized activations, products summed in fp32; the
-  per-output-channel scale (and bias) is applied to the sum. One row (batch-1 decode,
+  per-output-channel scale (and bias) is applied to the sum. The same kernel, without a
+  scale, is the one-row GEMV of the unquantized linears (`kernels.linear`). One row (batch-1 decode,
   MODE "fma", `BLOCK_M` 1) runs on the FMA units, 16 weight rows per program, a
   [BLOCK_N, BLOCK_K] fp32 accumulator summed over K once at the end (the tensor cores'
   16-row minimum would waste the conversion on padding); 2..32 rows take the tensor cores
@@ -21,7 +22,14 @@
   of M 1, 2..16, 17..32, larger), `HAS_BIAS`, `SPLIT` and the dot precision; M and the K
   range per split are run-time values, so a new batch size compiles nothing new within its
   class, and nothing is read back to the host (CUDA-graph capturable once each class has
-  been warmed up outside the capture).
+  been warmed up outside the capture). With `group`, the weight's scales are per output
+  channel per `group` inputs and multiply each K-tile's products (K-tiles never straddle a
+  group: `group_block_k`).
+* `per_token_group_quant_triton` and `fp8_grouped_gemm_triton` (meaning:
+  `kernels.fp8.fp8_grouped_linear_ref`): the large-M grouped linear, W8A8. Activations
+  quantized per token per group in one launch; then one tile of the output per program,
+  each K-tile's float8 product on the tensor cores scaled by the activation rows' and the
+  weight rows' scales of that group.
 """
 
 import torch
@@ -67,17 +75,26 @@ def per_token_quant_triton(x: torch.Tensor, dtype: torch.dtype, fp8_max: float, 
 
 # ---------------------------------------------------------------- W8A16: small-M linear
 
+@triton.jit
+def _group_scales(w_scale, offs_n, n_ok, stride_sn, tile, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
+    """The scales of weight rows `offs_n` for K-tile `tile` (which lies in one group)."""
+    return tl.load(w_scale + offs_n.to(tl.int64) * stride_sn + (tile * BLOCK_K) // GROUP, mask=n_ok, other=0.0)
+
+
 @triton.jit(do_not_specialize=["M", "tiles_per_split"])
 def _fp8_weight_only_kernel(out, partial, counters, x, w, w_scale, bias, M, N, K,
-                            tiles_per_split, stride_xm, stride_om, stride_wn,
-                            HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, MODE: tl.constexpr,
-                            BLOCK_M: tl.constexpr,
+                            tiles_per_split, stride_xm, stride_om, stride_wn, stride_sn,
+                            HAS_SCALE: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                            SPLIT: tl.constexpr, MODE: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                             DOT_PRECISION: tl.constexpr):
     """MODE "dot": acc [M, N] += x [M, K] @ W^T [K, N] on the tensor cores; "dot_t": the same
     product transposed, W [N, K] @ x^T [K, M] (the wide weight tile the left operand);
     "fma": BLOCK_M == 1, no tensor cores: each weight multiplied into the one row of x on the
-    FMA units, a [BLOCK_N, BLOCK_K] fp32 accumulator summed over K once at the end."""
+    FMA units, a [BLOCK_N, BLOCK_K] fp32 accumulator summed over K once at the end.
+    GROUP 0: one scale per output channel (`w_scale [N]`), applied to the sum; GROUP > 0: one
+    per channel per GROUP inputs (`w_scale [N, ceil(K / GROUP)]`, row stride `stride_sn`),
+    applied to each K-tile's products (BLOCK_K divides GROUP, so a tile has one scale a row)."""
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -94,8 +111,10 @@ def _fp8_weight_only_kernel(out, partial, counters, x, w, w_scale, bias, M, N, K
             k_ok = offs_k < K
             a = tl.load(x_rows + offs_k, mask=k_ok & m_ok, other=0.0)
             b = tl.load(w_rows[:, None] + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :],
-                        other=0.0)
-            acc2 += b.to(tl.float32) * a.to(tl.float32)[None, :]
+                        other=0.0).to(tl.float32)
+            if GROUP > 0:
+                b = b * _group_scales(w_scale, offs_n, n_ok, stride_sn, tile, BLOCK_K, GROUP)[:, None]
+            acc2 += b * a.to(tl.float32)[None, :]
         acc = tl.sum(acc2, axis=1)[None, :]
     elif MODE == "dot_t":
         acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -106,7 +125,11 @@ def _fp8_weight_only_kernel(out, partial, counters, x, w, w_scale, bias, M, N, K
                           other=0.0)
             b = tl.load(w_rows[:, None] + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :],
                         other=0.0)
-            acc_t = tl.dot(b.to(a_t.dtype), a_t, acc_t, input_precision=DOT_PRECISION)
+            if GROUP > 0:
+                scales = _group_scales(w_scale, offs_n, n_ok, stride_sn, tile, BLOCK_K, GROUP)
+                acc_t += tl.dot(b.to(a_t.dtype), a_t, input_precision=DOT_PRECISION) * scales[:, None]
+            else:
+                acc_t = tl.dot(b.to(a_t.dtype), a_t, acc_t, input_precision=DOT_PRECISION)
         acc = tl.trans(acc_t)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -117,11 +140,18 @@ def _fp8_weight_only_kernel(out, partial, counters, x, w, w_scale, bias, M, N, K
                         other=0.0)
             b = tl.load(w_rows[None, :] + offs_k[:, None], mask=k_ok[:, None] & n_ok[None, :],
                         other=0.0)
-            acc = tl.dot(a, b.to(a.dtype), acc, input_precision=DOT_PRECISION)
+            if GROUP > 0:
+                scales = _group_scales(w_scale, offs_n, n_ok, stride_sn, tile, BLOCK_K, GROUP)
+                acc += tl.dot(a, b.to(a.dtype), input_precision=DOT_PRECISION) * scales[None, :]
+            else:
+                acc = tl.dot(a, b.to(a.dtype), acc, input_precision=DOT_PRECISION)
 
     mask = m_ok[:, None] & n_ok[None, :]
     out_ptrs = out + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    s = tl.load(w_scale + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    if HAS_SCALE and GROUP == 0:
+        s = tl.load(w_scale + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    else:       # a 16-bit weight, or scales already applied per K-tile
+        s = tl.full((BLOCK_N,), 1.0, tl.float32)
     if HAS_BIAS:
         add = tl.load(bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     else:
@@ -138,8 +168,16 @@ def _fp8_weight_only_kernel(out, partial, counters, x, w, w_scale, bias, M, N, K
         tl.store(out_ptrs, y.to(out.dtype.element_ty), mask=mask)
 
 
-def pick_fp8_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> TileConfig:
-    """Tiles for an `[m, K] @ [N, K].T` weight-only product; a function of python ints only.
+def group_block_k(group: int) -> int:
+    """The K-tile of a grouped weight: the largest power of two dividing `group`, at most 128,
+    so that no tile straddles two groups."""
+    return min(128, group & -group)
+
+
+def pick_fp8_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device,
+                    weight_bytes: int = 1, group: int = 0) -> TileConfig:
+    """Tiles for an `[m, K] @ [N, K].T` weight-only product of a weight of `weight_bytes` per
+    entry (scaled per `group` inputs, or 0: per channel); a function of python ints only.
 
     Measured on one H200 for the Llama-3.1-8B decoder shapes, bf16 (`python
     bench/quant_linears.py --sweep`): one row takes the FMA units, 16 weight rows per program
@@ -148,7 +186,13 @@ def pick_fp8_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.de
     cores, K split to 4 programs per SM; up to 32 rows 32 x 64, 3 per SM; more rows 64 x 64
     (fp8_linear uses this kernel up to `kernels.fp8.W8A16_MAX_M` rows)."""
     wide = dtype == torch.float32
-    if m == 1:
+    if m == 1 and weight_bytes == 2:
+        # A 16-bit weight (`kernels.linear`), measured the same way (.probe-style sweep, docs/
+        # BENCHMARKS.md): 8 warps, no split; K-tiles of 256 where the columns give 4 programs
+        # per SM, else 512. Faster than cuBLAS on qkv, o and gate_up, equal on down.
+        wide_n = triton.cdiv(n, 16) >= 4 * num_sms(device)
+        mode, block_m, block_n, block_k, warps, stages, per_sm = "fma", 1, 16, 256 if wide_n else 512, 8, 3, 1
+    elif m == 1:
         if triton.cdiv(n, 16) >= 4 * num_sms(device):
             mode, block_m, block_n, block_k, warps, stages, per_sm = "fma", 1, 16, 256, 4, 3, 1
         else:
@@ -162,25 +206,34 @@ def pick_fp8_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.de
     if wide:
         block_k = min(block_k, 128)
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
+    if group:
+        block_k = min(block_k, group_block_k(group))
     programs = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     split_k = pick_split(triton.cdiv(k, block_k), programs, device, per_sm)
     return TileConfig(block_m, block_n, block_k, split_k, warps, stages, mode)
 
 
-def fp8_weight_only_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+def fp8_weight_only_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None,
                            bias: torch.Tensor | None, out_dtype: torch.dtype,
-                           config: TileConfig | None = None) -> torch.Tensor:
+                           config: TileConfig | None = None, group: int = 0) -> torch.Tensor:
     """`x [M, K] @ (weight [N, K] * weight_scale [N, 1]).T + bias` in `out_dtype`, `x`
-    unquantized (bfloat16, float16 or float32; columns contiguous), `weight` float8
-    row-major. `config` overrides `pick_fp8_config`."""
+    unquantized (bfloat16, float16 or float32; columns contiguous), `weight` row-major: float8
+    with its scale, or 16-bit with `weight_scale` None (the one-row GEMV of an unquantized
+    linear, `kernels.linear`). With `group` (a multiple of 16), `weight_scale [N, ceil(K /
+    group)]` holds a scale per output channel per `group` inputs. `config` overrides
+    `pick_fp8_config`."""
     m, k = x.shape
     n = weight.shape[0]
     assert weight.shape == (n, k) and weight.stride(1) == 1 and x.stride(1) == 1
-    assert weight_scale.numel() == n and weight_scale.is_contiguous()
+    if group:
+        assert group % 16 == 0 and weight_scale.shape == (n, triton.cdiv(k, group)) and weight_scale.stride(1) == 1
+    else:
+        assert weight_scale is None or (weight_scale.numel() == n and weight_scale.is_contiguous())
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     if m == 0:
         return out
-    cfg = config or pick_fp8_config(m, n, k, x.dtype, x.device)
+    cfg = config or pick_fp8_config(m, n, k, x.dtype, x.device, weight.element_size(), group)
+    assert not group or group % cfg.block_k == 0, "a K-tile must lie in one group"
     assert (cfg.mode == "fma") == (cfg.block_m == 1), "the fma mode is the one-row tile"
     tiles = triton.cdiv(k, cfg.block_k)
     tiles_per_split = triton.cdiv(tiles, cfg.split_k)
@@ -192,11 +245,113 @@ def fp8_weight_only_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: 
         counters = split_k_counters(x.device, grid[0] * grid[1])
     if bias is not None:
         assert bias.numel() == n and bias.is_contiguous()
+    placeholder = out       # for the pointers the kernel does not read
     _fp8_weight_only_kernel[grid](
-        out, partial, counters, x, weight, weight_scale, bias if bias is not None else weight_scale,
+        out, partial, counters, x, weight, placeholder if weight_scale is None else weight_scale,
+        placeholder if bias is None else bias,
         m, n, k, tiles_per_split, x.stride(0), out.stride(0), weight.stride(0),
-        HAS_BIAS=bias is not None, SPLIT=split_k > 1, MODE=cfg.mode, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, DOT_PRECISION="tf32x3" if x.dtype == torch.float32 else "tf32",
+        weight_scale.stride(0) if group else 0,
+        HAS_SCALE=weight_scale is not None, GROUP=group, HAS_BIAS=bias is not None, SPLIT=split_k > 1,
+        MODE=cfg.mode, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        DOT_PRECISION="tf32x3" if x.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
+
+
+# ---------------------------------------------------------------- W8A8 with group scales: large M
+
+@triton.jit
+def _per_token_group_quant_kernel(out, scale, x, stride_x, stride_o, stride_s, k, GROUP: tl.constexpr,
+                                  BLOCK: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
+    row, group = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    cols = group * GROUP + tl.arange(0, BLOCK)
+    ok = (tl.arange(0, BLOCK) < GROUP) & (cols < k)
+    v = tl.load(x + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    s = tl.maximum(tl.max(tl.abs(v), axis=0) / FP8_MAX, MIN_SCALE)
+    tl.store(scale + row * stride_s + group, s)
+    q = tl.minimum(tl.maximum(tl.math.div_rn(v, s), -FP8_MAX), FP8_MAX)     # div_rn: as above
+    tl.store(out + row * stride_o + cols, q.to(out.dtype.element_ty), mask=ok)
+
+
+def per_token_group_quant_triton(x: torch.Tensor, group: int, dtype: torch.dtype, fp8_max: float,
+                                 min_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x [M, K]` (columns contiguous) to (`dtype` [M, K], fp32 scale [M, ceil(K / group)]):
+    `kernels.fp8.group_quant` in one launch, a program per row per group."""
+    m, k = x.shape
+    groups = triton.cdiv(k, group)
+    out = torch.empty((m, k), dtype=dtype, device=x.device)
+    scale = torch.empty((m, groups), dtype=torch.float32, device=x.device)
+    if m:
+        _per_token_group_quant_kernel[(m, groups)](out, scale, x, x.stride(0), out.stride(0), scale.stride(0), k,
+                                                   GROUP=group, BLOCK=triton.next_power_of_2(group),
+                                                   FP8_MAX=fp8_max, MIN_SCALE=min_scale)
+    return out, scale
+
+
+@triton.jit(do_not_specialize=["M"])
+def _fp8_grouped_gemm_kernel(out, a, a_scale, b, b_scale, bias, M, N, K,
+                             stride_am, stride_asm, stride_bn, stride_bsn, stride_om,
+                             GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                             UPCAST: tl.constexpr):
+    """out [M, N] = sum over K-tiles of (a_q @ b_q^T) * a_scale[:, g] * b_scale[:, g] + bias,
+    g the tile's group. Programs walk GROUP_M row tiles down a column of tiles before moving
+    on, so a weight tile is read once from memory for several row tiles (from L2 after).
+    UPCAST: float8 tiles to float16 for the dot (exact: e4m3 fits in it), where BLOCK_K is
+    below the float8 tensor-core instruction's K of 32."""
+    pid = tl.program_id(0)
+    tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * tiles_n
+    first_m = (pid // width) * GROUP_M
+    rows = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % rows
+    pid_n = (pid % width) // rows
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok, n_ok = offs_m < M, offs_n < N
+    a_rows = a + offs_m.to(tl.int64) * stride_am
+    b_rows = b + offs_n.to(tl.int64) * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for tile in range(0, tl.cdiv(K, BLOCK_K)):
+        offs_k = tile * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        x = tl.load(a_rows[:, None] + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(b_rows[None, :] + offs_k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        g = (tile * BLOCK_K) // GROUP
+        sa = tl.load(a_scale + offs_m.to(tl.int64) * stride_asm + g, mask=m_ok, other=0.0)
+        sb = tl.load(b_scale + offs_n.to(tl.int64) * stride_bsn + g, mask=n_ok, other=0.0)
+        if UPCAST:
+            part = tl.dot(x.to(tl.float16), w.to(tl.float16))
+        else:
+            part = tl.dot(x, w)
+        acc += part * sa[:, None] * sb[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = out + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def fp8_grouped_gemm_triton(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
+                            weight_scale: torch.Tensor, group: int, bias: torch.Tensor | None,
+                            out_dtype: torch.dtype) -> torch.Tensor:
+    """`x_q [M, K]` float8 with `x_scale [M, ceil(K / group)]` (`per_token_group_quant_triton`)
+    times `weight [N, K]` float8 with `weight_scale [N, ceil(K / group)]`, transposed, plus
+    `bias`, in `out_dtype` (meaning: `kernels.fp8.fp8_grouped_linear_ref`). Tiles of 128 x 128
+    (64 rows for up to 64 tokens) and the group's K-tile (`group_block_k`), 8 warps, 3
+    stages: the shapes of vLLM's and DeepSeek's block-FP8 Triton GEMMs on Hopper."""
+    m, k = x_q.shape
+    n = weight.shape[0]
+    assert weight.shape == (n, k) and weight.stride(1) == 1 and x_q.stride(1) == 1
+    assert x_scale.stride(1) == 1 and weight_scale.stride(1) == 1
+    out = torch.empty((m, n), dtype=out_dtype, device=x_q.device)
+    if m == 0:
+        return out
+    block_m, block_k = (64 if m <= 64 else 128), group_block_k(group)
+    block_n = 128
+    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
+    _fp8_grouped_gemm_kernel[grid](
+        out, x_q, x_scale, weight, weight_scale, out if bias is None else bias, m, n, k,
+        x_q.stride(0), x_scale.stride(0), weight.stride(0), weight_scale.stride(0), out.stride(0),
+        GROUP=group, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        GROUP_M=8, UPCAST=block_k < 32, num_warps=8 if block_m == 128 else 4, num_stages=3)
     return out

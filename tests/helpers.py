@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from common.sampling_params import SamplingParams
+from worker.config import EngineConfig
 from worker.engine import LLMEngine
 
 LONG_STORY = (
@@ -161,3 +162,14 @@ def perplexity(logits: torch.Tensor, ids: list[int]) -> float:
     """exp of the mean negative log-likelihood of each token of `ids` after the first, from the
     teacher-forced `logits` of every position."""
     return math.exp(torch.nn.functional.cross_entropy(logits[:-1].float(), torch.tensor(ids[1:])).item())
+
+
+def engine_prompt_logits(path, ids: list[int], tensor_parallel_size: int = 1) -> torch.Tensor:
+    """The float32 logits of every position of `ids` from an engine over the checkpoint at
+    `path` on the CPU (teacher-forced)."""
+    engine = LLMEngine(EngineConfig(model=str(path), device="cpu", dtype="float32", num_blocks=64,
+                                    tensor_parallel_size=tensor_parallel_size))
+    try:
+        return engine.prompt_logits(ids)
+    finally:
+        engine.close()

@@ -1,6 +1,6 @@
 """FP8 W8A8: the kernels (reference against fp32 matmuls; cuBLAS' against the reference on a
-GPU), `--quantization fp8` on load, and pre-quantized checkpoints (compressed-tensors,
-written by the real library, and Hugging Face's block-scaled fp8) against transformers.
+GPU), `--quantization fp8` on load, and compressed-tensors checkpoints written by the real
+library against transformers. (Hugging Face's block-scaled fp8: tests/test_fp8_grouped.py.)
 
 Tolerances, measured on this CPU where a figure is given:
 - one W8A8 linear vs the fp32 matmul: relative error (Frobenius) < 6 % (measured 3.6 %):
@@ -9,8 +9,6 @@ Tolerances, measured on this CPU where a figure is given:
   quantized per token as here: 1e-5 (measured 5e-7 on logits up to 1.0: float32 rounding
   only); without that input quantization (W8A16, what transformers computes): < 5 % relative
   (measured 1.6-2.1 %, and 1.6 % on two ranks).
-- a Hugging Face block-fp8 checkpoint vs its block-dequantized weights in float32: < 6 %
-  relative (measured 3.4 %: requantized per channel, then W8A8).
 - SmolLM2-shaped random weights quantized on load vs unquantized: logits within 20 % relative
   (measured 13 %: random layers do not damp each other's rounding).
 - SmolLM2-135M quantized on load vs unquantized, teacher-forced over 150 tokens of text: mean
@@ -26,7 +24,16 @@ import weakref
 
 import pytest
 import torch
-from helpers import LONG_STORY, PROMPTS, generate, greedy, run_interpreter_tests, tiny_hf_model, tiny_llama
+from helpers import (
+    LONG_STORY,
+    PROMPTS,
+    engine_prompt_logits,
+    generate,
+    greedy,
+    run_interpreter_tests,
+    tiny_hf_model,
+    tiny_llama,
+)
 from safetensors.torch import load_file, save_file
 
 from kernels.fp8 import (
@@ -197,6 +204,24 @@ def test_interp_w8a16_without_bias_and_with_no_rows():
     assert out.shape == (0, 48)
 
 
+@interpreter_only
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_interp_weight_only_kernel_takes_a_16_bit_weight_without_a_scale(dtype):
+    """The one-row GEMV of the unquantized linears (`kernels.linear`): the weight in the
+    activations' dtype, no scale, with and without a bias; ragged N and K; one split and
+    several (the default config on a narrow layer, and a forced split)."""
+    from kernels.triton_fp8 import fp8_weight_only_triton
+    from kernels.triton_split_k import TileConfig
+
+    for n, k, config in [(136, 2100, None), (40, 300, TileConfig(1, 16, 64, 3, mode="fma"))]:
+        x, w, b = randn(1, k, seed=n).to(dtype), (randn(n, k, seed=k) * k ** -0.5).to(dtype), randn(n).to(dtype)
+        for bias in (None, b):
+            out = fp8_weight_only_triton(x, w, None, bias, dtype, config)
+            ref = x.float() @ w.float().t() + (0 if bias is None else bias.float())
+            assert out.dtype == dtype and out.shape == (1, n)
+            torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=1e-2)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [W8A16_MAX_M + 1, 130])
 def test_scaled_mm_path_matches_the_reference_on_cuda(m):
@@ -349,7 +374,7 @@ def test_quantize_on_load_frees_each_high_precision_weight_as_it_goes(tmp_path, 
     tiny_hf_model(tmp_path, "llama3")
     _, model = load_model(resolve_source(str(tmp_path)), CPU, torch.float32)
     originals = [weakref.ref(m.weight) for layer in model.layers for m in layer.modules()
-                 if type(m) is torch.nn.Linear]
+                 if isinstance(m, torch.nn.Linear)]
     quantized_so_far, most_kept = [0], [0]
     real_quant = quantization.per_channel_quant
 
@@ -476,15 +501,6 @@ def transformers_logits(path, ids: list[int], quantize_inputs: bool) -> torch.Te
         return model(torch.tensor([ids])).logits[0]
 
 
-def pagedserve_logits(path, ids: list[int], tensor_parallel_size: int = 1) -> torch.Tensor:
-    engine = LLMEngine(EngineConfig(model=str(path), device="cpu", dtype="float32", num_blocks=64,
-                                    tensor_parallel_size=tensor_parallel_size))
-    try:
-        return engine.prompt_logits(ids)
-    finally:
-        engine.close()
-
-
 def token_ids(vocab: int = 256, n: int = 100) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(1)).tolist()
 
@@ -496,7 +512,7 @@ def test_compressed_tensors_fp8_checkpoint_matches_transformers(tmp_path, kind, 
     # its weights (by 2^-9), which per-token activation rounding then amplifies to about 1 %.
     save_compressed_tensors_fp8(tmp_path, kind, preset, torch.float32)
     ids = token_ids(256 if kind == "llama" else 320)
-    ours = pagedserve_logits(tmp_path, ids)
+    ours = engine_prompt_logits(tmp_path, ids)
     theirs = transformers_logits(tmp_path, ids, quantize_inputs=True)
     # Equal to float32 rounding, except that a tie in one per-token activation rounding may break
     # the other way on a difference of one ulp (transformers 5.24 flips one on the qwen2 model):
@@ -527,68 +543,7 @@ def test_compressed_tensors_fp8_checkpoint_under_tensor_parallelism(tmp_path, pr
     token, so the result is not one rank's to the bit.)"""
     save_compressed_tensors_fp8(tmp_path, preset=preset)
     ids = token_ids()
-    assert rel_error(pagedserve_logits(tmp_path, ids, 2), transformers_logits(tmp_path, ids, False)) < 0.05
-
-
-BLOCK = (24, 48)     # on hidden 64 and intermediate 160: partial blocks at the edges
-
-
-def save_hf_block_fp8(path) -> dict[str, torch.Tensor]:
-    """A tiny Llama in Hugging Face's fp8 format: float8 weights, `weight_scale_inv` per block
-    of `BLOCK`; returns the dequantized weights."""
-    tiny_hf_model(path, "llama3")
-    block, tensors, dequantized = BLOCK, {}, {}
-    for name, w in load_file(path / "model.safetensors").items():
-        if not (".mlp." in name or ".self_attn." in name) or name.endswith("bias"):
-            tensors[name] = w
-            continue
-        n, k = w.shape
-        blocks = torch.zeros(-(-n // block[0]) * block[0], -(-k // block[1]) * block[1])
-        blocks[:n, :k] = w.float()
-        amax = blocks.unflatten(0, (-1, block[0])).unflatten(2, (-1, block[1])).abs().amax(dim=(1, 3))
-        scale = (amax / FP8_MAX).clamp(min=1e-12)
-        full = scale.repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
-        tensors[name] = (w.float() / full).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-        tensors[name.replace("weight", "weight_scale_inv")] = scale
-        dequantized[name] = dequantize_blocks(tensors[name], scale, block)
-    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                     "weight_block_size": list(block)}
-    (path / "config.json").write_text(json.dumps(config))
-    return dequantized
-
-
-def test_hf_block_fp8_checkpoint_loads_its_dequantized_blocks(tmp_path):
-    dequantized = save_hf_block_fp8(tmp_path)
-    _, model = load_model(resolve_source(str(tmp_path)), CPU, torch.float32)
-    down = model.layers[2].mlp.down_proj
-    assert isinstance(down, Fp8Linear)
-    # Requantized per channel: within e4m3's half step of the block-dequantized weight.
-    restored = down.weight.float() * down.weight_scale[:, None]
-    reference = dequantized["model.layers.2.mlp.down_proj.weight"]
-    assert ((restored - reference).abs() <= reference.abs() / 16 + down.weight_scale[:, None] * 2.0 ** -10).all()
-
-
-@pytest.mark.parametrize("tensor_parallel_size", [1, 2])
-def test_hf_block_fp8_checkpoint_is_close_to_its_dequantized_model(tmp_path, tensor_parallel_size):
-    save_hf_block_fp8(tmp_path)
-    # transformers' fp8 integration needs a GPU: the reference is the same model with the
-    # dequantized weights, run in float32.
-    from transformers import AutoConfig, AutoModelForCausalLM
-    config = AutoConfig.from_pretrained(tmp_path)
-    del config.quantization_config
-    reference = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    stored = load_file(tmp_path / "model.safetensors")
-    state = {name: dequantize_blocks(w, stored[name.replace("weight", "weight_scale_inv")], BLOCK)
-             if name.replace("weight", "weight_scale_inv") in stored else w.float()
-             for name, w in stored.items() if not name.endswith("weight_scale_inv")}
-    reference.load_state_dict(state)
-    ids = token_ids(320)
-    with torch.no_grad():
-        expected = reference(torch.tensor([ids])).logits[0]
-    # Requantized per channel, then W8A8: measured 3.4 % (one rank and two).
-    assert rel_error(pagedserve_logits(tmp_path, ids, tensor_parallel_size), expected) < 0.06
+    assert rel_error(engine_prompt_logits(tmp_path, ids, 2), transformers_logits(tmp_path, ids, False)) < 0.05
 
 
 def test_unknown_quant_method_is_refused_naming_it_and_the_supported_ones(tmp_path):

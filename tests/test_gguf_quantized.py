@@ -25,6 +25,7 @@ from helpers import tiny_llama
 from kernels.w4_weight import dequantize_ref
 from worker.config import EngineConfig
 from worker.engine import LLMEngine
+from worker.models.llama import DenseLinear
 from worker.models.loader import ModelLoadError, gguf_weights, load_config, load_model, resolve_source
 from worker.models.quantization import W4Linear, W4PairLinear
 from worker.models.w4_formats import GGUF_KEPT
@@ -206,11 +207,11 @@ def test_a_file_of_mixed_types_keeps_each_linear_whose_parts_share_a_kept_type(t
     save_tiny_gguf(path, "Q4_K", WITH_Q5_0)
     _, model = load_model(resolve_source(str(path)), CPU, torch.float32, quantization="gguf")
     kinds = {name: type(m).__name__ for name, m in model.named_modules() if m in decoder_linears(model)}
-    assert kinds == {"layers.0.self_attn.qkv_proj": "Linear",        # Q4_K q and k beside a Q6_K v
+    assert kinds == {"layers.0.self_attn.qkv_proj": "DenseLinear",        # Q4_K q and k beside a Q6_K v
                      "layers.0.self_attn.o_proj": "W4Linear", "layers.0.mlp.gate_up_proj": "W4Linear",
                      "layers.0.mlp.down_proj": "W4PairLinear",       # Q6_K
                      "layers.1.self_attn.qkv_proj": "W4Linear", "layers.1.self_attn.o_proj": "W4Linear",
-                     "layers.1.mlp.gate_up_proj": "W4Linear", "layers.1.mlp.down_proj": "Linear"}   # Q5_0
+                     "layers.1.mlp.gate_up_proj": "W4Linear", "layers.1.mlp.down_proj": "DenseLinear"}   # Q5_0
 
 
 def test_a_file_of_mixed_types_computes_the_logits_of_the_file_dequantized(tmp_path):
@@ -237,7 +238,7 @@ def test_the_cpu_dequantizes_a_kept_type_on_load_by_default_saying_so(tmp_path, 
     save_tiny_gguf(path, "Q4_1")
     with caplog.at_level(logging.INFO, logger="pagedserve.worker"):
         _, model = load_model(resolve_source(str(path)), CPU, torch.float32)
-    assert all(type(m) is torch.nn.Linear for m in decoder_linears(model))
+    assert all(type(m) is DenseLinear for m in decoder_linears(model))
     assert "tiny.gguf: dequantized on load, not kept quantized (tensors by type): Q4_1 14" in caplog.messages
 
 
@@ -263,7 +264,7 @@ def test_a_dequantized_load_on_the_cpu_is_cached_and_a_kept_load_reads_the_file(
         _, dequantized = load_model(resolve_source(str(path)), CPU, torch.float32)
         _, kept = load_model(resolve_source(str(path)), CPU, torch.float32, quantization="gguf")
     assert any("read from the cache at" in m for m in caplog.messages)
-    assert type(dequantized.layers[0].mlp.down_proj) is torch.nn.Linear
+    assert type(dequantized.layers[0].mlp.down_proj) is DenseLinear
     assert type(kept.layers[0].mlp.down_proj) is W4Linear
 
 

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
+from kernels.linear import linear
 from kernels.lora import lora_expand, lora_expand_folded, lora_shrink
 from worker.context import get_context
 from worker.models.lora_checkpoint import PACKED_PIECES, LoRAWeights
@@ -46,7 +46,7 @@ class LoRALinear(nn.Module):
         self.base, self.pieces, self.max_rank = base, pieces, max_rank
         self.out_features = out_features = sum(size for _, size in pieces)
         extra = num_slots * len(pieces) * max_rank
-        self.folded = type(base) is nn.Linear and extra <= FOLD_MAX_EXTRA_ROWS * out_features
+        self.folded = isinstance(base, nn.Linear) and extra <= FOLD_MAX_EXTRA_ROWS * out_features
         if self.folded:
             # weight = [W; A of slot 0; ...; A of slot S-1]; `lora_a` is a view of its tail,
             # so loading a slot writes straight into the base GEMM's weight.
@@ -72,8 +72,8 @@ class LoRALinear(nn.Module):
             return lora_expand(y, lora_shrink(x, self.lora_a, slots), self.lora_b, slots, self.pieces)
         weight, bias, n = self.base.weight, self.base.bias, self.out_features
         if slots is None:       # the leading rows alone: the base model's own GEMM
-            return F.linear(x, weight[:n], None if bias is None else bias[:n])
-        return lora_expand_folded(F.linear(x, weight, bias), n, self.lora_b, slots, self.pieces)
+            return linear(x, weight[:n], None if bias is None else bias[:n])
+        return lora_expand_folded(linear(x, weight, bias), n, self.lora_b, slots, self.pieces)
 
     def load_slot(self, slot: int, weights: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         """Puts one adapter's (a [P, r, in], b [out, r]) in `slot`; None leaves the slot inert

@@ -5,8 +5,9 @@ reads its batch layout from `worker.context`. Weights arrive with Hugging Face n
 packed on load: q/k/v into one projection, gate/up into another. Under tensor parallelism
 (`worker.parallel`) each rank builds the same model with its slice of the heads, of the MLP
 rows and of the vocabulary, and reads only that slice of each checkpoint tensor. The decoder's
-linear layers come from a factory: `nn.Linear`, or a quantized class of
-`worker.models.quantization`, whose parameters load here like any other.
+linear layers come from a factory: `DenseLinear` (`nn.Linear` with a faster one-row path on a
+GPU), or a quantized class of `worker.models.quantization`, whose parameters load here like
+any other.
 """
 
 from collections.abc import Callable, Iterable
@@ -17,6 +18,7 @@ from torch import nn
 
 from kernels.activation import silu_and_mul
 from kernels.attention import paged_attention
+from kernels.linear import linear
 from kernels.norm import fused_add_rms_norm, rms_norm
 from kernels.rotary import apply_rotary_and_write_kv, build_cos_sin_cache
 from worker.config import ModelConfig
@@ -25,6 +27,13 @@ from worker.parallel import Shard, all_reduce, gather_last_dim, split_heads
 
 # Makes one decoder linear layer: (in_features, out_features, bias) -> module.
 LinearFactory = Callable[[int, int, bool], nn.Module]
+
+
+class DenseLinear(nn.Linear):
+    """An unquantized decoder linear: `nn.Linear`'s parameters, `kernels.linear`'s product."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -135,7 +144,7 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, shard: Shard = Shard(), linear: LinearFactory = nn.Linear):
+    def __init__(self, cfg: ModelConfig, shard: Shard = Shard(), linear: LinearFactory = DenseLinear):
         super().__init__()
         self.config, self.shard = cfg, shard
         self.embed_tokens = VocabEmbedding(cfg, shard)
@@ -215,6 +224,8 @@ class LlamaForCausalLM(nn.Module):
                 target = f"{owner}.{parts[-1]}"
                 out_dim, in_dim, per_entry = _axes(modules.get(owner), parts[-1])
                 dim = out_dim if axis == OUT else in_dim
+                if axis == IN and length == full:
+                    dim = None      # every input on this rank: the tensor whole (a short last group too)
                 if dim is not None:
                     if axis == IN:      # counted in entries of `per_entry` input features (packed, grouped)
                         if start % per_entry or length % per_entry:

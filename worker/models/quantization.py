@@ -11,9 +11,10 @@ packs them (`checkpoint_tensors`), and what happens once every weight is in (`af
   at a time, so peak memory stays near the unquantized model's.
 - A compressed-tensors `float-quantized` checkpoint: the model is built with `Fp8Linear` and
   reads the stored float8 weights and their scales as they are.
-- A Hugging Face `fp8` checkpoint with block scales (128 x 128 in the published ones): each
-  weight's blocks are dequantized as it is read, and the layers are requantized per output
-  channel after loading (no block-scaled GEMM yet).
+- A Hugging Face `fp8` checkpoint with block scales (128 x 128 in the published ones): the
+  model is built with `Fp8GroupedLinear` and reads the stored float8 weights as they are,
+  each block's scale given to each of its rows (a scale per output channel per 128 inputs);
+  `--load-format dummy` with such a config quantizes random weights into that layout.
 - `--quantization int8` (CPU only so far): the same on load, each linear becoming an
   `Int8Linear` (int8 W8A8: weights per output channel, activations per token, `kernels.int8`).
 - A 4-bit weight-only checkpoint (W4A16): GPTQ (v1 and v2), AWQ (GEMM) or compressed-tensors
@@ -42,13 +43,13 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 from torch import nn
 
-from kernels.fp8 import FP8_DTYPE, dequantize_blocks, fp8_linear, per_channel_quant
+from kernels.fp8 import FP8_DTYPE, dequantize_blocks, fp8_grouped_linear, fp8_linear, group_quant, per_channel_quant
 from kernels.int8 import int8_linear, per_channel_quant_int8
 from kernels.w4_weight import PACK, W4Weight
 from kernels.w4a16 import w4a16_matmul
 from worker.config import CheckpointQuantization, ModelConfig
 from worker.models import w4_formats
-from worker.models.llama import CheckpointSlice
+from worker.models.llama import CheckpointSlice, DenseLinear
 from worker.parallel import Shard, check_splittable, split_heads
 
 Tensorish = torch.Tensor | CheckpointSlice      # a checkpoint tensor, read or not yet
@@ -103,6 +104,54 @@ class Fp8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class Fp8GroupedLinear(nn.Module):
+    """`x @ W.T + bias` with `W` float8_e4m3fn `[out, in]` scaled per output channel per
+    `group_size` inputs (`weight_scale [out, ceil(in / group_size)]`): a Hugging Face fp8
+    checkpoint's blocks of `[block_n, group_size]` with each block's scale given to each of
+    its rows, which costs 4 bytes per `group_size` weights (3 % at 128) and lets q/k/v and
+    gate/up concatenate, and tensor parallelism slice, along the outputs as for any weight.
+    On a GPU up to 32 tokens run W8A16 and more W8A8 with the activations quantized per token
+    per group (`kernels.fp8.fp8_grouped_linear`)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, group_size: int,
+                 device: torch.device | str | None = None):
+        super().__init__()
+        self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8_DTYPE, device=device),
+                                   requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.empty(out_features, -(-in_features // group_size),
+                                                     dtype=torch.float32, device=device), requires_grad=False)
+        self.register_parameter("bias", nn.Parameter(torch.empty(out_features, device=device), requires_grad=False)
+                                if bias else None)
+
+    @classmethod
+    @torch.no_grad()
+    def from_linear(cls, linear: nn.Linear, group_size: int) -> "Fp8GroupedLinear":
+        """`linear` quantized per output channel per `group_size` inputs (its bias shared)."""
+        fp8 = cls(linear.in_features, linear.out_features, bias=False, group_size=group_size, device="meta")
+        weight, scale = group_quant(linear.weight, group_size)
+        fp8.weight = nn.Parameter(weight, requires_grad=False)
+        fp8.weight_scale = nn.Parameter(scale, requires_grad=False)
+        fp8.bias = linear.bias
+        return fp8
+
+    def checkpoint_axes(self, name: str) -> tuple[int | None, int | None, int]:
+        """For the model's loader (as `W4Linear.checkpoint_axes`): a column of `weight_scale`
+        stands for `group_size` input features."""
+        if name == "weight":
+            return 0, 1, 1
+        if name == "weight_scale":
+            return 0, 1, self.group_size
+        return 0, None, 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_grouped_linear(x, self.weight, self.weight_scale, self.group_size, self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"group_size={self.group_size}, bias={self.bias is not None}")
 
 
 class Int8Linear(nn.Module):
@@ -266,7 +315,7 @@ class LinearMethod:
     keep: frozenset[str] = frozenset()  # decoder linears whose GGUF tensors the loader hands on in blocks
 
     def create(self, in_features: int, out_features: int, bias: bool) -> nn.Module:
-        return nn.Linear(in_features, out_features, bias=bias)
+        return DenseLinear(in_features, out_features, bias=bias)
 
     def prepare(self, model: nn.Module) -> None:
         """Called on the model built (on the meta device) before any weight is read: may
@@ -309,6 +358,21 @@ class Fp8OnLoad(Fp8Method):
 
     def after_loading(self, model: nn.Module) -> None:
         quantize_decoder_linears(model)
+
+
+class Fp8GroupedOnLoad(Fp8OnLoad):
+    """Random weights (`--load-format dummy`) of a Hugging Face fp8 checkpoint's shape: drawn
+    in high precision, then each decoder linear quantized into the checkpoint's layout
+    (`Fp8GroupedLinear`), so that a benchmark measures the GEMMs the checkpoint would run."""
+
+    asked = "--load-format dummy with a Hugging Face fp8 config"
+
+    def __init__(self, group_size: int):
+        self.group_size = group_size
+        self.description = f"FP8 W8A8, quantized on load per output channel per {group_size} inputs"
+
+    def after_loading(self, model: nn.Module) -> None:
+        quantize_decoder_linears(model, lambda linear: Fp8GroupedLinear.from_linear(linear, self.group_size))
 
 
 class Fp8Checkpoint(Fp8Method):
@@ -355,42 +419,72 @@ class Fp8Checkpoint(Fp8Method):
             raise ValueError(f"checkpoint has weight scales without weights: {sorted(waiting)[:3]}")
 
 
-class Fp8BlockCheckpoint(Fp8OnLoad):
-    """A Hugging Face `fp8` checkpoint with block scales (`weight_scale_inv` `[N/bn, K/bk]`,
-    by which the float8 weight is multiplied). Each weight is dequantized as it is read and
-    the decoder linears are requantized per output channel after loading: one more rounding
-    than the checkpoint's own, in exchange for the per-channel GEMM (no block-scaled GEMM yet).
-    Any other quantized tensor (an LM head) is dequantized and stays in the model's dtype; a
-    decoder linear the checkpoint left in high precision is quantized like the others."""
+class Fp8BlockCheckpoint(Fp8Method):
+    """A Hugging Face `fp8` checkpoint with block scales (`weight_scale_inv [ceil(N / bn),
+    ceil(K / bk)]`, by which the float8 weight is multiplied): each decoder linear becomes an
+    `Fp8GroupedLinear` with the stored float8 weight as it is and each block's scale given to
+    each of the block's `bn` rows (groups of `bk` inputs). A decoder linear the checkpoint left
+    in high precision is quantized into the same layout as it is read; any other quantized
+    tensor (an LM head) is dequantized and keeps the model's dtype."""
 
     asked = "the checkpoint's FP8 quantization_config (Hugging Face fp8 with block scales)"
 
     def __init__(self, block: tuple[int, int]):
         self.block = block
-        self.description = (f"FP8 W8A8 (Hugging Face fp8 checkpoint, {block[0]}x{block[1]} block scales "
-                            f"requantized per output channel)")
+        self.description = f"FP8 W8A8 as stored (Hugging Face fp8 checkpoint, {block[0]}x{block[1]} block scales)"
+
+    def check_device(self, device: torch.device) -> None:
+        if device.type == "cuda" and self.block[1] % 16:
+            raise ValueError(f"{self.asked}: weight_block_size {list(self.block)} has blocks of {self.block[1]} "
+                             f"inputs, but the GPU kernels take K-tiles of at least 16 inside a block: allowed are "
+                             f"blocks of a multiple of 16 inputs (the published checkpoints use 128)")
+        super().check_device(device)
+
+    def create(self, in_features: int, out_features: int, bias: bool) -> nn.Module:
+        return Fp8GroupedLinear(in_features, out_features, bias, self.block[1])
 
     def checkpoint_tensors(self, weights: Iterable[tuple[str, Tensorish]]) -> Iterator[tuple[str, Tensorish]]:
-        pending: dict[str, dict[str, Tensorish]] = {}     # module -> its weight / scale, until both are read
+        rows: dict[str, int] = {}                   # decoder linear -> output rows of its weight
+        waiting: dict[str, torch.Tensor] = {}       # decoder linear -> block scales read before its weight
+        pending: dict[str, dict[str, Tensorish]] = {}    # another module -> its weight / scales, until both are read
         for name, source in weights:
             module, _, kind = name.rpartition(".")
             if kind == "input_scale":
                 continue    # static activation scales: dynamic per-token ones instead (as above)
-            if kind == "weight" and not _is_fp8(source):
-                yield name, source      # a module the checkpoint left unquantized
-                continue
-            if kind not in ("weight", "weight_scale_inv"):
-                yield name, source
-                continue
-            parts = pending.setdefault(module, {})
-            parts[kind] = source
-            if len(parts) == 2:
-                del pending[module]
-                yield f"{module}.weight", dequantize_blocks(_whole(parts["weight"]),
-                                                            _whole(parts["weight_scale_inv"]), self.block)
-        if pending:
+            if kind not in ("weight", "weight_scale_inv") or (kind == "weight" and not _is_fp8(source)):
+                if kind == "weight" and _is_decoder_linear(module):
+                    # Left in high precision by the checkpoint: quantized into the layer's layout.
+                    weight, scale = group_quant(_whole(source), self.block[1])
+                    yield name, weight
+                    yield f"{module}.weight_scale", scale
+                else:
+                    yield name, source
+            elif not _is_decoder_linear(module):
+                parts = pending.setdefault(module, {})
+                parts[kind] = source
+                if len(parts) == 2:
+                    del pending[module]
+                    yield f"{module}.weight", dequantize_blocks(_whole(parts["weight"]),
+                                                                _whole(parts["weight_scale_inv"]), self.block)
+            elif kind == "weight":
+                rows[module] = _shape(source)[0]
+                yield name, source          # as stored; read lazily, this rank's slice only
+                if module in waiting:
+                    yield f"{module}.weight_scale", self._per_row(module, waiting.pop(module), rows[module])
+            elif module in rows:
+                yield f"{module}.weight_scale", self._per_row(module, _whole(source), rows[module])
+            else:
+                waiting[module] = _whole(source)
+        if pending or waiting:
             raise ValueError(f"checkpoint has float8 weights without block scales or scales without "
-                             f"weights: {sorted(pending)[:3]}")
+                             f"weights: {sorted([*pending, *waiting])[:3]}")
+
+    def _per_row(self, module: str, scale: torch.Tensor, rows: int) -> torch.Tensor:
+        """Block scales `[ceil(rows / bn), groups]` given to each row: `[rows, groups]`."""
+        if scale.dim() != 2 or scale.shape[0] != -(-rows // self.block[0]):
+            raise ValueError(f"checkpoint tensor {module}.weight_scale_inv has shape {tuple(scale.shape)}, but "
+                             f"{rows} rows in blocks of {self.block[0]} need {-(-rows // self.block[0])} rows of scales")
+        return scale.float().repeat_interleave(self.block[0], dim=0)[:rows]
 
 
 class Int8OnLoad(LinearMethod):
@@ -419,8 +513,8 @@ def quantize_decoder_linears(model: nn.Module,
     unless told otherwise), one at a time: each high-precision weight is freed as soon as its
     quantized copy replaces it (nothing else holds it), so an 8B model never holds both."""
     for layer in model.layers:
-        for parent in [m for m in layer.modules() if any(type(c) is nn.Linear for c in m.children())]:
-            for name in [n for n, c in parent.named_children() if type(c) is nn.Linear]:
+        for parent in [m for m in layer.modules() if any(isinstance(c, nn.Linear) for c in m.children())]:
+            for name in [n for n, c in parent.named_children() if isinstance(c, nn.Linear)]:
                 setattr(parent, name, convert(getattr(parent, name)))
 
 
@@ -695,8 +789,9 @@ def linear_method(quantization: str, checkpoint: CheckpointQuantization | None, 
             return LinearMethod()
         return GgufCheckpoint(checkpoint)
     if dummy:       # random weights are drawn in high precision: rounded on load as the checkpoint's are
-        return (Fp8OnLoad() if checkpoint.method == "fp8"
-                else W4OnLoad(f"--load-format dummy with a {checkpoint.quant_method} config", checkpoint.group_size))
+        if checkpoint.method == "fp8":
+            return Fp8GroupedOnLoad(checkpoint.weight_block_size[1]) if checkpoint.weight_block_size else Fp8OnLoad()
+        return W4OnLoad(f"--load-format dummy with a {checkpoint.quant_method} config", checkpoint.group_size)
     if checkpoint.method == "w4a16":
         return W4_CHECKPOINTS[checkpoint.quant_method](checkpoint)
     if checkpoint.quant_method == "compressed-tensors":
@@ -706,12 +801,13 @@ def linear_method(quantization: str, checkpoint: CheckpointQuantization | None, 
 
 def check_tensor_parallel(cfg: ModelConfig, size: int) -> None:
     """Raises ValueError, before any rank starts, when `size` ranks cannot split the
-    checkpoint's 4-bit layers. Column-parallel layers split out_features, which the canonical
-    layout keeps unpacked; a row-parallel layer (o_proj, down_proj) gives each rank a range of
-    its in_features, which must be whole groups (whole words of 8 with one group per row),
-    and act-order groups are scattered over all of them."""
+    checkpoint's grouped layers (4-bit ones, and block-scaled fp8 in groups of a block's
+    inputs). Column-parallel layers split out_features, which both layouts keep unpacked; a
+    row-parallel layer (o_proj, down_proj) gives each rank a range of its in_features, which
+    must be whole groups (whole words of 8 with one group per row), and act-order groups are
+    scattered over all of them."""
     quant = cfg.quantization
-    if size == 1 or quant is None or quant.group_size is None:      # not grouped integers
+    if size == 1 or quant is None or (quant.group_size is None and quant.weight_block_size is None):
         return
     if quant.act_order:
         raise ValueError(f"tensor_parallel_size={size} cannot split this act-order 4-bit checkpoint "
@@ -726,8 +822,12 @@ def check_tensor_parallel(cfg: ModelConfig, size: int) -> None:
 
 
 def _row_split_problem(cfg: ModelConfig, size: int) -> str | None:
-    """What keeps `size` ranks from taking whole groups of the row-parallel layers' inputs."""
-    group_size = cfg.quantization.group_size
+    """What keeps `size` ranks from taking whole groups of the row-parallel layers' inputs
+    (one rank takes them whole, a short last group too)."""
+    if size == 1:
+        return None
+    quant = cfg.quantization
+    group_size = quant.weight_block_size[1] if quant.weight_block_size else quant.group_size
     unit = PACK if group_size == -1 else group_size
     for rank in range(size):
         shard = Shard(rank, size)
@@ -735,7 +835,9 @@ def _row_split_problem(cfg: ModelConfig, size: int) -> str | None:
         for name, (start, length) in (("o_proj", (heads.q_start * cfg.head_dim, heads.num_heads * cfg.head_dim)),
                                       ("down_proj", shard.split(cfg.intermediate_size))):
             if start % unit or length % unit:
-                what = "words of 8 packed features" if group_size == -1 else f"groups of {unit} (the group size)"
+                what = ("words of 8 packed features" if group_size == -1
+                        else f"blocks of {unit} inputs (weight_block_size)" if quant.weight_block_size
+                        else f"groups of {unit} (the group size)")
                 return (f"gives rank {rank} the input features {start}..{start + length - 1} of {name}, "
                         f"which do not start and end on boundaries of {what}")
     return None
