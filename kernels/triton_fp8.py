@@ -336,9 +336,10 @@ def fp8_grouped_gemm_triton(x_q: torch.Tensor, x_scale: torch.Tensor, weight: to
                             out_dtype: torch.dtype) -> torch.Tensor:
     """`x_q [M, K]` float8 with `x_scale [M, ceil(K / group)]` (`per_token_group_quant_triton`)
     times `weight [N, K]` float8 with `weight_scale [N, ceil(K / group)]`, transposed, plus
-    `bias`, in `out_dtype` (meaning: `kernels.fp8.fp8_grouped_linear_ref`). Tiles of 128 x 128
-    (64 rows for up to 64 tokens) and the group's K-tile (`group_block_k`), 8 warps, 3
-    stages: the shapes of vLLM's and DeepSeek's block-FP8 Triton GEMMs on Hopper."""
+    `bias`, in `out_dtype` (meaning: `kernels.fp8.fp8_grouped_linear_ref`). Tiles of 64 x 128
+    and the group's K-tile (`group_block_k`), 4 warps, 3 stages: the fastest of 16 tile
+    shapes swept on the H200 for the 8B q/k/v at 512 and 4096 rows (docs/BENCHMARKS.md),
+    which is still slower than cuBLAS' bfloat16 GEMM there."""
     m, k = x_q.shape
     n = weight.shape[0]
     assert weight.shape == (n, k) and weight.stride(1) == 1 and x_q.stride(1) == 1
@@ -346,12 +347,11 @@ def fp8_grouped_gemm_triton(x_q: torch.Tensor, x_scale: torch.Tensor, weight: to
     out = torch.empty((m, n), dtype=out_dtype, device=x_q.device)
     if m == 0:
         return out
-    block_m, block_k = (64 if m <= 64 else 128), group_block_k(group)
-    block_n = 128
+    block_m, block_n, block_k = 64, 128, group_block_k(group)
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
     _fp8_grouped_gemm_kernel[grid](
         out, x_q, x_scale, weight, weight_scale, out if bias is None else bias, m, n, k,
         x_q.stride(0), x_scale.stride(0), weight.stride(0), weight_scale.stride(0), out.stride(0),
         GROUP=group, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        GROUP_M=8, UPCAST=block_k < 32, num_warps=8 if block_m == 128 else 4, num_stages=3)
+        GROUP_M=8, UPCAST=block_k < 32, num_warps=4, num_stages=3)
     return out
