@@ -4,11 +4,15 @@ For M tokens per step (1 = batch-1 decode), times the four decoder linears of al
 (qkv 4096→6144, o 4096→4096, gate_up 4096→28672, down 14336→4096) replayed from CUDA graphs
 as decode steps run, and prints the bandwidth each reaches over its weight bytes. Rows:
 
-* `bf16`: cuBLAS (`x @ W.T`).
+* `bf16`: cuBLAS (`x @ W.T`); `bf16_linear`: what the engine's unquantized linears run
+  (`kernels.linear`: a Triton GEMV at one row, cuBLAS above).
 * `fp8`: what `kernels.fp8.fp8_linear` does at this M (W8A16 Triton up to `W8A16_MAX_M`
   rows, W8A8 above); `fp8_w8a16` and `fp8_w8a8` force either path at every M, and the
   W8A8 path is also split into its parts: the activations' quantization alone, and the
   GEMM alone with rowwise scales and with one scale per tensor (cuBLAS' own FP8 path).
+* `fp8_grouped`: `kernels.fp8.fp8_grouped_linear`, a scale per channel per 128 inputs (what
+  a Hugging Face block-FP8 checkpoint loads as): W8A16 up to `W8A16_MAX_M` rows, above it the
+  activations quantized per token per 128 and the Triton block-scaled GEMM.
 * `w4a16`: `kernels.w4a16.w4a16_matmul` (Triton), group 128.
 * `gguf_q4_1`, `gguf_q4_k`: the same kernel on the layouts GGUF Q4_1 and Q4_K files keep
   (group 32 with a float offset per group; float16 and float32 scales and offsets).
@@ -38,8 +42,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from kernels.fp8 import (W8A16_MAX_M, fp8_linear, fp8_linear_ref, fp8_linear_w8a8,  # noqa: E402
-                         fp8_weight_only_ref, per_channel_quant, per_token_quant)
+from kernels.fp8 import (W8A16_MAX_M, fp8_grouped_linear, fp8_grouped_linear_ref,  # noqa: E402
+                         fp8_grouped_weight_only_ref, fp8_linear, fp8_linear_ref, fp8_linear_w8a8,
+                         fp8_weight_only_ref, group_quant, per_channel_quant, per_token_quant)
+from kernels.linear import linear  # noqa: E402
 from kernels.w4_weight import W4Weight  # noqa: E402
 from kernels.w4a16 import w4a16_matmul, w4a16_matmul_ref  # noqa: E402
 
@@ -112,7 +118,8 @@ def main_table(args) -> None:
     weights = {}
     for name, (k, n) in SHAPES.items():
         bf16 = (torch.randn(n, k, generator=g) * k ** -0.5).to(torch.bfloat16).cuda()
-        base = {"bf16": bf16, "fp8": per_channel_quant(bf16), "w4a16": w4_of(k, n, g),
+        base = {"bf16": bf16, "fp8": per_channel_quant(bf16), "fp8_grouped": group_quant(bf16, GROUP),
+                "w4a16": w4_of(k, n, g),
                 "gguf_q4_1": w4_of(k, n, g, 32, torch.float16, offsets=True),
                 "gguf_q4_k": w4_of(k, n, g, 32, torch.float32, offsets=True)}
         weights[name] = {fmt: copies_of(w, args.l2_hot) for fmt, w in base.items()}
@@ -127,6 +134,12 @@ def main_table(args) -> None:
             checks[f"fp8_{name}_m{m}"] = rel_error(fp8_linear(x, w_q, w_scale), ref)
             checks[f"fp8_w8a8_{name}_m{m}"] = rel_error(fp8_linear_w8a8(x, w_q, w_scale),
                                                          fp8_linear_ref(x, w_q, w_scale))
+            g_q, g_scale = weights[name]["fp8_grouped"][0]
+            grouped_ref = fp8_grouped_weight_only_ref if m <= W8A16_MAX_M else fp8_grouped_linear_ref
+            checks[f"fp8_grouped_{name}_m{m}"] = rel_error(fp8_grouped_linear(x, g_q, g_scale, GROUP),
+                                                            grouped_ref(x, g_q, g_scale, GROUP))
+            one_row, bf16 = x[:1], weights[name]["bf16"][0]
+            checks[f"bf16_linear_{name}_m1"] = rel_error(linear(one_row, bf16), one_row @ bf16.T)
             for kind in ("w4a16", "gguf_q4_1", "gguf_q4_k"):
                 w4 = weights[name][kind][0]
                 checks[f"{kind}_{name}_m{m}"] = rel_error(w4a16_matmul(x, w4), w4a16_matmul_ref(x, w4))
@@ -138,9 +151,11 @@ def main_table(args) -> None:
     one = torch.ones(1, 1, dtype=torch.float32, device="cuda")
     formats = {
         "bf16": (lambda x, w: x @ w.T, "bf16"),
+        "bf16_linear": (linear, "bf16"),
         "fp8": (lambda x, w: fp8_linear(x, *w), "fp8"),
         "fp8_w8a16": (lambda x, w: fp8_weight_only_triton(x, w[0], w[1], None, x.dtype), "fp8"),
         "fp8_w8a8": (lambda x, w: fp8_linear_w8a8(x, *w), "fp8"),
+        "fp8_grouped": (lambda x, w: fp8_grouped_linear(x, w[0], w[1], GROUP), "fp8_grouped"),
         "fp8_quant_only": (lambda x, w: per_token_quant(x), "fp8"),
         "fp8_gemm_rowwise": (lambda x, w: torch._scaled_mm(
             x.to(w[0].dtype), w[0].t(), scale_a=one.repeat(x.shape[0], 1), scale_b=w[1].view(1, -1),
