@@ -314,7 +314,9 @@ def test_dummy_weights_of_a_block_fp8_config_are_quantized_into_its_layout(tmp_p
     assert isinstance(down, Fp8GroupedLinear) and down.group_size == 16 and down.weight_scale.shape == (64, 10)
 
 
-def test_a_gpu_cannot_take_blocks_of_inputs_not_a_multiple_of_16():
+@pytest.mark.parametrize("method", [quantization.Fp8BlockCheckpoint, quantization.Fp8GroupedOnLoad],
+                         ids=["checkpoint", "dummy-weights"])
+def test_a_gpu_cannot_take_blocks_of_inputs_not_a_multiple_of_16(method):
     with pytest.raises(ValueError, match=r"weight_block_size \[128, 24\] has blocks of 24 inputs, but the GPU "
                                          r"kernels take K-tiles of at least 16 inside a block"):
-        quantization.Fp8BlockCheckpoint((128, 24)).check_device(torch.device("cuda", 0))
+        method((128, 24)).check_device(torch.device("cuda", 0))

@@ -367,12 +367,24 @@ class Fp8GroupedOnLoad(Fp8OnLoad):
 
     asked = "--load-format dummy with a Hugging Face fp8 config"
 
-    def __init__(self, group_size: int):
-        self.group_size = group_size
-        self.description = f"FP8 W8A8, quantized on load per output channel per {group_size} inputs"
+    def __init__(self, block: tuple[int, int]):
+        self.block, self.group_size = block, block[1]
+        self.description = f"FP8 W8A8, quantized on load per output channel per {block[1]} inputs"
+
+    def check_device(self, device: torch.device) -> None:
+        _check_block_inputs(self.asked, self.block, device)
+        super().check_device(device)
 
     def after_loading(self, model: nn.Module) -> None:
         quantize_decoder_linears(model, lambda linear: Fp8GroupedLinear.from_linear(linear, self.group_size))
+
+
+def _check_block_inputs(asked: str, block: tuple[int, int], device: torch.device) -> None:
+    """ValueError when the GPU kernels cannot take blocks of `block[1]` inputs."""
+    if device.type == "cuda" and block[1] % 16:
+        raise ValueError(f"{asked}: weight_block_size {list(block)} has blocks of {block[1]} inputs, but the GPU "
+                         f"kernels take K-tiles of at least 16 inside a block: allowed are blocks of a multiple of "
+                         f"16 inputs (the published checkpoints use 128)")
 
 
 class Fp8Checkpoint(Fp8Method):
@@ -434,10 +446,7 @@ class Fp8BlockCheckpoint(Fp8Method):
         self.description = f"FP8 W8A8 as stored (Hugging Face fp8 checkpoint, {block[0]}x{block[1]} block scales)"
 
     def check_device(self, device: torch.device) -> None:
-        if device.type == "cuda" and self.block[1] % 16:
-            raise ValueError(f"{self.asked}: weight_block_size {list(self.block)} has blocks of {self.block[1]} "
-                             f"inputs, but the GPU kernels take K-tiles of at least 16 inside a block: allowed are "
-                             f"blocks of a multiple of 16 inputs (the published checkpoints use 128)")
+        _check_block_inputs(self.asked, self.block, device)
         super().check_device(device)
 
     def create(self, in_features: int, out_features: int, bias: bool) -> nn.Module:
@@ -790,7 +799,7 @@ def linear_method(quantization: str, checkpoint: CheckpointQuantization | None, 
         return GgufCheckpoint(checkpoint)
     if dummy:       # random weights are drawn in high precision: rounded on load as the checkpoint's are
         if checkpoint.method == "fp8":
-            return Fp8GroupedOnLoad(checkpoint.weight_block_size[1]) if checkpoint.weight_block_size else Fp8OnLoad()
+            return Fp8GroupedOnLoad(checkpoint.weight_block_size) if checkpoint.weight_block_size else Fp8OnLoad()
         return W4OnLoad(f"--load-format dummy with a {checkpoint.quant_method} config", checkpoint.group_size)
     if checkpoint.method == "w4a16":
         return W4_CHECKPOINTS[checkpoint.quant_method](checkpoint)
