@@ -34,7 +34,7 @@ from helpers import (
     tiny_hf_model,
     tiny_llama,
 )
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from kernels.fp8 import (
     FP8_DTYPE,
