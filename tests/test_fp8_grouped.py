@@ -32,7 +32,7 @@ from kernels.fp8 import (
 from worker.config import EngineConfig
 from worker.engine import LLMEngine
 from worker.models import quantization
-from worker.models.loader import load_model, resolve_source
+from worker.models.loader import ModelLoadError, load_model, resolve_source
 from worker.models.quantization import Fp8GroupedLinear
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
@@ -320,3 +320,14 @@ def test_a_gpu_cannot_take_blocks_of_inputs_not_a_multiple_of_16(method):
     with pytest.raises(ValueError, match=r"weight_block_size \[128, 24\] has blocks of 24 inputs, but the GPU "
                                          r"kernels take K-tiles of at least 16 inside a block"):
         method((128, 24)).check_device(torch.device("cuda", 0))
+
+
+def test_block_scales_of_the_wrong_shape_are_refused_naming_the_tensor(tmp_path):
+    save_hf_block_fp8(tmp_path, (24, 48))
+    tensors = load_file(tmp_path / "model.safetensors")
+    name = "model.layers.0.mlp.down_proj.weight_scale_inv"
+    tensors[name] = tensors[name][:2]           # 64 rows in blocks of 24 need 3 rows of scales
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=r"checkpoint tensor model.layers.0.mlp.down_proj.weight_scale_inv has "
+                                             r"shape \(2, 4\), but 64 rows in blocks of 24 need 3 rows of scales"):
+        load_model(resolve_source(str(tmp_path)), CPU, torch.float32)
