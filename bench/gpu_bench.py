@@ -181,9 +181,9 @@ def main() -> None:
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="GPUs of one worker (weight_bytes and the W2 roofline are per GPU)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    parser.add_argument("--quantization", default="none", choices=("none", "fp8", "gptq"),
+    parser.add_argument("--quantization", default="none", choices=("none", "fp8", "gptq", "gguf"),
                         help="the engine's --quantization (the dummy bf16 weights quantized on load; "
-                             "gptq: rounded to 4 bits in groups of 128)")
+                             "gptq: rounded to 4 bits in groups of 128; gguf: in GGUF Q4_K's form, groups of 32)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"), help="the engine's --kv-cache-dtype")
     args = parser.parse_args()
     result = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(),

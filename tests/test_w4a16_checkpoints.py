@@ -308,6 +308,35 @@ def test_dummy_weights_with_a_4_bit_method_are_rounded_on_load(tmp_path):
     assert ((dequantize_ref(after.w4, torch.float32) - before.weight).abs() <= step / 2 + 1e-7).all()
 
 
+def test_dummy_weights_under_gguf_are_rounded_into_the_q4_k_form_on_load(tmp_path):
+    """`--load-format dummy --quantization gguf`: groups of 32 with a float32 scale and
+    minimum each, no zero point, as a GGUF Q4_K file's linears are kept; each weight within
+    half a step of the one drawn."""
+    small_llama().config.save_pretrained(tmp_path)
+    source = resolve_source(str(tmp_path), "dummy")
+    _, drawn = load_model(source, CPU, torch.bfloat16)
+    _, rounded = load_model(source, CPU, torch.bfloat16, quantization="gguf")
+    before, after = drawn.layers[1].self_attn.qkv_proj, rounded.layers[1].self_attn.qkv_proj
+    assert isinstance(after, W4Linear) and after.group_size == 32
+    assert after.scales.dtype == after.offsets.dtype == torch.float32 and not after.zeros.any()
+    step = after.scales.repeat_interleave(32, 0).t()
+    assert ((dequantize_ref(after.w4, torch.float32) - before.weight.float()).abs() <= step / 2 + 1e-6).all()
+
+
+def test_round_to_w4_with_offsets_keeps_each_groups_minimum_and_maximum():
+    w = torch.randn(24, 64, generator=torch.Generator().manual_seed(4)) + 3      # no group spans zero
+    rounded = dequantize_ref(round_to_w4(w, 32, offsets=True), torch.float32).reshape(24, 2, 32)
+    groups = w.reshape(24, 2, 32)
+    torch.testing.assert_close(rounded.amin(-1), groups.amin(-1))
+    torch.testing.assert_close(rounded.amax(-1), groups.amax(-1))
+
+
+def test_gguf_on_high_precision_weights_read_from_disk_is_still_refused(tmp_path):
+    small_llama().save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError, match="--quantization gguf keeps a GGUF file's decoder linears"):
+        load_model(resolve_source(str(tmp_path)), CPU, torch.float32, quantization="gguf")
+
+
 def test_w4linear_is_the_reference_gemm_plus_bias_in_the_dtype_it_is_moved_to():
     w = round_to_w4(torch.randn(24, 64, generator=torch.Generator().manual_seed(3)), 32)
     bias = torch.randn(24)

@@ -289,15 +289,23 @@ class W4PairLinear(W4Linear):
 
 
 @torch.no_grad()
-def round_to_w4(weight: torch.Tensor, group_size: int) -> W4Weight:
+def round_to_w4(weight: torch.Tensor, group_size: int, offsets: bool = False) -> W4Weight:
     """`weight [N, K]` rounded to 4 bits per group of `group_size` inputs (-1: one group),
     each group's range [min, max] mapped onto 0..15 (asymmetric, round to nearest): what a
-    real checkpoint's calibration does better, for weights that have no checkpoint."""
+    real checkpoint's calibration does better, for weights that have no checkpoint. With
+    `offsets`, in GGUF's Q4_1 / Q4_K form: no zero point, each group's minimum its float
+    offset (`W = q * scale + min`), scales and offsets in float32 as a kept Q4_K file's are."""
     n, k = weight.shape
     group = k if group_size == -1 else group_size
     if k % group:
         raise ValueError(f"{k} input features do not split into groups of {group}")
     w = weight.float().reshape(n, k // group, group)
+    if offsets:
+        low, high = w.amin(-1), w.amax(-1)
+        scales = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
+        values = ((w - low[..., None]) / scales[..., None]).round().clamp(0, 15)
+        return W4Weight.from_values(values.reshape(n, k).t(), scales.t(), torch.zeros_like(scales.t()), group,
+                                    offsets=low.t())
     low, high = w.amin(-1).clamp(max=0), w.amax(-1).clamp(min=0)     # zero stays representable
     scales = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
     zeros = (-low / scales).round().clamp(0, 15)
@@ -541,16 +549,19 @@ class W4Method(LinearMethod):
 
 class W4OnLoad(W4Method):
     """Random (dummy) weights, drawn in high precision, rounded to 4 bits once loaded: the
-    memory and speed of a 4-bit checkpoint of the shape, without its accuracy."""
+    memory and speed of a 4-bit checkpoint of the shape, without its accuracy. `offsets`: in
+    the form a GGUF Q4_K file's linears are kept in (`round_to_w4`)."""
 
-    def __init__(self, asked: str, group_size: int):
-        self.asked, self.group_size = asked, group_size
-        self.description = f"W4A16, random weights rounded to 4 bits on load (group size {group_size})"
+    def __init__(self, asked: str, group_size: int, offsets: bool = False):
+        self.asked, self.group_size, self.offsets = asked, group_size, offsets
+        form = (f"in GGUF Q4_K's form: groups of {group_size}, float32 scales and minimums" if offsets
+                else f"(group size {group_size})")
+        self.description = f"W4A16, random weights rounded to 4 bits on load {form}"
 
     def after_loading(self, model: nn.Module) -> None:
         def rounded(linear: nn.Linear) -> W4Linear:
             try:
-                return W4Linear.from_weight(round_to_w4(linear.weight, self.group_size), linear.bias)
+                return W4Linear.from_weight(round_to_w4(linear.weight, self.group_size, self.offsets), linear.bias)
             except ValueError as e:
                 raise ValueError(f"{self.asked} on random weights rounds them in groups of {self.group_size}: "
                                  f"{e}") from e
@@ -773,6 +784,8 @@ def linear_method(quantization: str, checkpoint: CheckpointQuantization | None, 
     instead of read. ValueError names the --quantization values that fit when this one does
     not."""
     if checkpoint is None and quantization == "gguf":
+        if dummy:       # the shape of a GGUF Q4_K file's kept linears, for benchmarks
+            return W4OnLoad("--load-format dummy --quantization gguf", w4_formats.GGUF_BLOCK, offsets=True)
         raise ValueError(f"--quantization gguf keeps a GGUF file's decoder linears in their blocks, which needs a "
                          f"GGUF file with decoder linears of the types "
                          f"{', '.join(w4_formats.GGUF_KEPT)}; this model has none (another format, or a "
