@@ -4,10 +4,14 @@ between the launches of one CUDA graph, and waiting on the host), and each kerne
 copy's) launches and time per step. Also W2's decode rate
 and the weight bandwidth it achieves (weight bytes x tokens/s, as gpt-fast prints it).
 
-    python bench/decode_profile.py --out profile.json [--quantization fp8] [--kv-cache-dtype fp8]
+    python bench/decode_profile.py --out profile.json [--quantization fp8] [--kv-cache-dtype fp8] [--power]
+
+`--power` also decodes 1,500 tokens while `nvidia-smi` samples the GPU's power, clocks and
+clock-limiting reasons (`gpu_power.py`).
 """
 
 import argparse
+import datetime
 import json
 import sys
 import time
@@ -22,6 +26,7 @@ import torch  # noqa: E402
 from common.sampling_params import SamplingParams  # noqa: E402
 from worker.config import EngineConfig  # noqa: E402
 from worker.engine import LLMEngine  # noqa: E402
+from gpu_power import PowerSampler  # noqa: E402
 from report import current_commit  # noqa: E402
 
 def decode_rate(engine: LLMEngine, prompt_len: int = 128, new_tokens: int = 256) -> float:
@@ -85,6 +90,7 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--trace", help="also write the chrome trace here")
+    parser.add_argument("--power", action="store_true", help="sample power and clocks over a 1,500-token decode")
     args = parser.parse_args()
     # A small max_num_seqs: only batch 1 runs, and fewer CUDA graphs to capture.
     engine = LLMEngine(EngineConfig(model=args.model, load_format="dummy", dtype="bfloat16",
@@ -100,6 +106,16 @@ def main() -> None:
               "weight_bytes": weight_bytes, "w2_decode_tokens_per_s": rates,
               "achieved_weight_tb_per_s": weight_bytes * rate / 1e12,
               "profile": profile_steps(engine, args.steps, Path(args.trace) if args.trace else None)}
+    if args.power:
+        with PowerSampler() as sampler:
+            start = datetime.datetime.now()
+            long_rate = decode_rate(engine, new_tokens=1500)
+            end = datetime.datetime.now()
+        # From half a second in: the prefill and the first steps are not the steady state.
+        power = sampler.summary(start + datetime.timedelta(seconds=0.5), end)
+        result["power"] = {"w2_decode_tokens_per_s": long_rate, **(power.as_dict() if power else {})}
+        print(f"W2 over 1,500 tokens {long_rate:.1f} tok/s; {power.line() if power else 'no nvidia-smi samples'}",
+              flush=True)
     p = result["profile"]
     print(f"W2 decode {rate:.1f} tok/s ({', '.join(f'{r:.1f}' for r in rates)}); weights "
           f"{weight_bytes / 1e9:.2f} GB -> {result['achieved_weight_tb_per_s']:.2f} TB/s achieved", flush=True)
