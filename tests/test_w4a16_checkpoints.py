@@ -297,30 +297,30 @@ def test_the_load_log_names_the_checkpoint_quantization(tmp_path, caplog):
                                        "zero points, act-order)") for r in caplog.records)
 
 
+def rounded_on_load(path, quantization: str, dtype: torch.dtype, module: str) -> W4Linear:
+    """Layer 1's `module` of a small Llama's dummy weights rounded under `--quantization`,
+    checked to hold each weight within half a step of the one drawn."""
+    small_llama().config.save_pretrained(path)
+    source = resolve_source(str(path), "dummy")
+    drawn, rounded = (load_model(source, CPU, dtype, quantization=q)[1].layers[1].get_submodule(module)
+                      for q in ("none", quantization))
+    assert isinstance(rounded, W4Linear)
+    step = rounded.scales.float().repeat_interleave(rounded.group_size, 0).t()     # [N, K]: each weight's group scale
+    assert ((dequantize_ref(rounded.w4, torch.float32) - drawn.weight.float()).abs() <= step / 2 + 1e-6).all()
+    return rounded
+
+
 def test_dummy_weights_with_a_4_bit_method_are_rounded_on_load(tmp_path):
-    small_llama().config.save_pretrained(tmp_path)
-    source = resolve_source(str(tmp_path), "dummy")
-    _, drawn = load_model(source, CPU, torch.float32)
-    _, rounded = load_model(source, CPU, torch.float32, quantization="gptq")
-    before, after = drawn.layers[1].mlp.down_proj, rounded.layers[1].mlp.down_proj
-    assert isinstance(after, W4Linear) and after.group_size == 128
-    step = after.scales.repeat_interleave(128, 0).t()          # [N, K]: each weight's group scale
-    assert ((dequantize_ref(after.w4, torch.float32) - before.weight).abs() <= step / 2 + 1e-7).all()
+    rounded = rounded_on_load(tmp_path, "gptq", torch.float32, "mlp.down_proj")
+    assert rounded.group_size == 128 and rounded.offsets is None
 
 
 def test_dummy_weights_under_gguf_are_rounded_into_the_q4_k_form_on_load(tmp_path):
     """`--load-format dummy --quantization gguf`: groups of 32 with a float32 scale and
-    minimum each, no zero point, as a GGUF Q4_K file's linears are kept; each weight within
-    half a step of the one drawn."""
-    small_llama().config.save_pretrained(tmp_path)
-    source = resolve_source(str(tmp_path), "dummy")
-    _, drawn = load_model(source, CPU, torch.bfloat16)
-    _, rounded = load_model(source, CPU, torch.bfloat16, quantization="gguf")
-    before, after = drawn.layers[1].self_attn.qkv_proj, rounded.layers[1].self_attn.qkv_proj
-    assert isinstance(after, W4Linear) and after.group_size == 32
-    assert after.scales.dtype == after.offsets.dtype == torch.float32 and not after.zeros.any()
-    step = after.scales.repeat_interleave(32, 0).t()
-    assert ((dequantize_ref(after.w4, torch.float32) - before.weight.float()).abs() <= step / 2 + 1e-6).all()
+    minimum each, no zero point, as a GGUF Q4_K file's linears are kept."""
+    rounded = rounded_on_load(tmp_path, "gguf", torch.bfloat16, "self_attn.qkv_proj")
+    assert rounded.group_size == 32
+    assert rounded.scales.dtype == rounded.offsets.dtype == torch.float32 and not rounded.zeros.any()
 
 
 def test_round_to_w4_with_offsets_keeps_each_groups_minimum_and_maximum():
