@@ -11,6 +11,7 @@ clock-limiting reasons (`gpu_power.py`).
 """
 
 import argparse
+import dataclasses
 import datetime
 import json
 import sys
@@ -113,7 +114,7 @@ def main() -> None:
             end = datetime.datetime.now()
         # From half a second in: the prefill and the first steps are not the steady state.
         power = sampler.summary(start + datetime.timedelta(seconds=0.5), end)
-        result["power"] = {"w2_decode_tokens_per_s": long_rate, **(power.as_dict() if power else {})}
+        result["power"] = {"w2_decode_tokens_per_s": long_rate, **(dataclasses.asdict(power) if power else {})}
         print(f"W2 over 1,500 tokens {long_rate:.1f} tok/s; {power.line() if power else 'no nvidia-smi samples'}",
               flush=True)
     p = result["profile"]

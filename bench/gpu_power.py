@@ -12,7 +12,7 @@ from __future__ import annotations
 import datetime
 import subprocess
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 FIELDS = "timestamp,power.draw,power.limit,clocks.sm,clocks.mem,clocks_event_reasons.active"
 TIMESTAMP = "%Y/%m/%d %H:%M:%S.%f"
@@ -38,9 +38,6 @@ class PowerSummary:
         return (f"power {self.mean_power_w:.0f} W (max {self.max_power_w:.0f}, limit {self.power_limit_w:.0f}), "
                 f"SM clock {self.mean_sm_mhz:.0f} MHz (min {self.min_sm_mhz:.0f}), memory clock "
                 f"{self.mean_mem_mhz:.0f} MHz, limiting reasons: {active} ({self.samples} samples)")
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 def reason_names(mask: int) -> list[str]:
@@ -75,9 +72,10 @@ class PowerSampler:
 
     def __init__(self, interval_ms: int = 50):
         self.interval_ms = interval_ms
-        self._log = tempfile.NamedTemporaryFile("w+", suffix=".csv")
+        self.lines: list[str] = []      # the samples, once the context has closed
 
     def __enter__(self) -> "PowerSampler":
+        self._log = tempfile.TemporaryFile("w+")
         self._process = subprocess.Popen(["nvidia-smi", f"--query-gpu={FIELDS}", "--format=csv,noheader,nounits",
                                           f"--loop-ms={self.interval_ms}"], stdout=self._log, stderr=subprocess.DEVNULL)
         return self
@@ -85,7 +83,9 @@ class PowerSampler:
     def __exit__(self, *exc) -> None:
         self._process.terminate()
         self._process.wait()
+        with self._log:
+            self._log.seek(0)
+            self.lines = self._log.read().splitlines()
 
     def summary(self, start: datetime.datetime, end: datetime.datetime) -> PowerSummary | None:
-        self._log.seek(0)
-        return summarize(self._log.read().splitlines(), start, end)
+        return summarize(self.lines, start, end)
