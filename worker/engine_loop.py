@@ -32,6 +32,7 @@ from worker import faults
 from worker.engine import EngineEvent, EngineStats, LLMEngine, RequestOutput
 from worker.scheduler import RECOMPUTE
 from worker.sequence import FinishReason
+from worker.step_log import StepLog
 
 log = logging.getLogger("pagedserve.worker")
 
@@ -138,6 +139,7 @@ class EngineLoop:
         self.model_name = model_name
         self.tracing = tracing.enabled()
         self.injection = faults.FaultInjection.from_env()
+        self.step_log = StepLog.from_env()
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
@@ -148,6 +150,8 @@ class EngineLoop:
         self._stopped = True
         self.wake.set()
         self._thread.join(timeout=10)
+        if self.step_log is not None:
+            self.step_log.close()
 
     def call(self, command: Callable[[], None]) -> None:
         self.commands.put(command)
@@ -221,9 +225,14 @@ class EngineLoop:
 
     def _observe_step(self, started: float, num_outputs: int) -> None:
         plan = self.engine.last_plan
+        duration = time.monotonic() - started
         # One token per output. A step that scheduled nothing (only swaps ran, nothing fitted,
         # or it only read the step before) still reports that step's tokens.
-        self.metrics.step(time.monotonic() - started, plan.num_tokens, len(plan.scheduled), num_outputs)
+        self.metrics.step(duration, plan.num_tokens, len(plan.scheduled), num_outputs)
+        if self.step_log is not None:
+            sched = self.engine.scheduler
+            self.step_log.record(started, duration, plan, len(sched.running), len(sched.waiting),
+                                 len(sched.swapped))
 
     def _trace_step(self, started: float, now: float) -> None:
         """Adds the step's prompt chunks and first tokens to the requests' spans."""
