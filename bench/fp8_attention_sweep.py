@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from kernels_bench import HEAD_DIM, KV_HEADS, attention_batch, graph_time  # noqa: E402
 
-from kernels.triton_attention import AttentionConfig, decode_num_splits, paged_attention_triton  # noqa: E402
+from kernels.triton_attention import AttentionConfig, decode_splits, paged_attention_triton  # noqa: E402
 
 
 def main() -> None:
@@ -36,7 +36,7 @@ def main() -> None:
         f8["v_cache"] = (b["v_cache"].float() / vs[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
         ref = paged_attention_triton(**b).float()
         for name, q, cfg in [("fp8 default", b["q"], AttentionConfig()),
-                             ("fp8 2x splits", b["q"], AttentionConfig(num_splits=2 * decode_num_splits(num_seqs, KV_HEADS, ctx, torch.device("cuda")))),
+                             ("fp8 2x splits", b["q"], AttentionConfig(num_splits=2 * decode_splits(num_seqs, KV_HEADS, ctx, 128, torch.device("cuda"))[0])),
                              ("fp8 n64", b["q"], AttentionConfig(decode_block_n=64)),
                              ("fp8 s4", b["q"], AttentionConfig(decode_num_stages=4)),
                              ("fp8 w8", b["q"], AttentionConfig(decode_num_warps=8)),

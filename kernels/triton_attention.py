@@ -35,7 +35,8 @@ class AttentionConfig:
     decode_block_n: int | None = None   # 64 keys a tile over a 16-bit pool, 128 over a float8 one
     decode_num_warps: int = 4
     decode_num_stages: int = 3
-    num_splits: int | None = None
+    num_splits: int | None = None       # exactly this many even pieces per decode context
+    max_split_tokens: int | None = None  # longest piece (default: _MAX_TOKENS_PER_SPLIT)
     prefill_block_m: int | None = None  # query rows (tokens x group heads) per program
     prefill_block_n: int | None = None
     prefill_num_warps: int = 4
@@ -48,6 +49,13 @@ class AttentionConfig:
 _DECODE_PROGRAMS_PER_SM = 3
 # Below this, a split is too short to amortise its pipeline prologue and partial result.
 _MIN_TOKENS_PER_SPLIT = 256
+# Above this, a split is cut again however many programs the batch has: one unsplit program
+# per (sequence, KV head) left a single 12k-token document the last program of every layer
+# while seventy 2k-token chats had long finished (W5 on an H200: decode steps of 17 ms where
+# their bytes take 9). The splits of a context never exceed _MAX_SPLITS, so a longer bound
+# on the context makes longer splits rather than larger partial results.
+_MAX_TOKENS_PER_SPLIT = 1024
+_MAX_SPLITS = 32
 # A float8 tile of 128 keys holds the bytes a 16-bit tile of 64 does: with 64, half the bytes
 # are in flight and the decode kernel read a float8 pool 1.3-1.4x slower than a bf16 one (H200).
 _DECODE_BLOCK_N = {1: 128, 2: 64, 4: 64}
@@ -103,9 +111,9 @@ def _attend(acc, m_i, l_i, q, q_pos, k_cache, v_cache, block_table, kv_head, lo,
     return acc, m_i, l_i
 
 
-@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
+@triton.jit(do_not_specialize=["num_splits", "max_split", "stride_bt"])
 def _decode_kernel(out, part_out, part_lse, counters, q, k_cache, v_cache, k_scale, v_scale,
-                   block_tables, seq_lens, query_start_loc, qk_scale, num_splits,
+                   block_tables, seq_lens, query_start_loc, qk_scale, num_splits, max_split,
                    stride_qt, stride_qh, stride_ot, stride_oh,
                    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
                    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
@@ -126,7 +134,7 @@ def _decode_kernel(out, part_out, part_lse, counters, q, k_cache, v_cache, k_sca
     # Splits are cut from the actual length, in whole key tiles, so a bound passed as
     # max_seq_len costs nothing: the programs of splits a short context does not reach return
     # here, and a context of one split is written out by its one program.
-    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    per_split = tl.minimum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, max_split)
     active = tl.cdiv(seq_len, per_split)
     if split >= active:
         return
@@ -267,12 +275,20 @@ def _prefill_kernel(out, q, k_cache, v_cache, k_scale, v_scale, block_tables, se
     tl.store(out + o_offs + offs_d[None, :], acc.to(out.dtype.element_ty), mask=row_ok[:, None])
 
 
-def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int,
-                      device: torch.device) -> int:
-    """How many pieces each decode's context is cut into; a function of python ints only."""
+def decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: int,
+                  device: torch.device, max_split_tokens: int = _MAX_TOKENS_PER_SPLIT
+                  ) -> tuple[int, int]:
+    """How each decode's context is cut, from python ints only: `(num_splits, max_split)`.
+    A context of `n` tokens goes in `min(cdiv(n, num_splits), max_split)`-token pieces (whole
+    key tiles): evenly over `num_splits` programs when the batch is too small to fill the
+    SMs, and in pieces of at most `max_split` tokens, so that no long context is left to one
+    program."""
     programs = num_seqs * num_kv_heads
     wanted = triton.cdiv(_DECODE_PROGRAMS_PER_SM * num_sms(device), max(programs, 1))
-    return max(1, min(wanted, triton.cdiv(max_seq_len, _MIN_TOKENS_PER_SPLIT)))
+    wanted = min(wanted, triton.cdiv(max_seq_len, _MIN_TOKENS_PER_SPLIT))
+    max_split = max(max_split_tokens, triton.cdiv(max_seq_len, _MAX_SPLITS))
+    max_split = triton.cdiv(max_split, block_n) * block_n
+    return max(1, wanted, triton.cdiv(max_seq_len, max_split)), max_split
 
 
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -313,8 +329,11 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     scales = (k_scale, v_scale) if scaled else (seq_lens, seq_lens)   # unread unless SCALED
 
     block_n = cfg.decode_block_n or _DECODE_BLOCK_N[k_cache.element_size()]
-    num_splits = cfg.num_splits or decode_num_splits(num_seqs, num_kv_heads, max_seq_len,
-                                                     q.device)
+    if cfg.num_splits:      # even pieces, however long
+        num_splits, max_split = cfg.num_splits, triton.cdiv(max_seq_len, block_n) * block_n
+    else:
+        num_splits, max_split = decode_splits(num_seqs, num_kv_heads, max_seq_len, block_n, q.device,
+                                              cfg.max_split_tokens or _MAX_TOKENS_PER_SPLIT)
     part_out = part_lse = counters = out  # placeholders: unused when there is a single split
     if num_splits > 1:
         part_out = torch.empty((num_seqs, num_heads, num_splits, head_dim),
@@ -324,7 +343,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         counters = split_k_counters(q.device, num_seqs * num_kv_heads)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         out, part_out, part_lse, counters, q, k_cache, v_cache, *scales, block_tables, seq_lens,
-        query_start_loc, qk_scale, num_splits, q.stride(0), q.stride(1), out.stride(0),
+        query_start_loc, qk_scale, num_splits, max_split, q.stride(0), q.stride(1), out.stride(0),
         out.stride(1), *pool_strides,
         NUM_HEADS=num_heads, GROUP=group, BLOCK_G=max(16, group_pad), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=num_splits > 1, SCALED=scaled, Q_F16=q_f16,

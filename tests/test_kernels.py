@@ -366,6 +366,37 @@ def test_interp_attention_ignores_unwritten_slots(num_splits):
 
 
 @interpreter_only
+@pytest.mark.parametrize("max_split_tokens", [64, 128])
+def test_interp_attention_cuts_long_decodes_into_pieces_of_at_most_max_split_tokens(max_split_tokens):
+    from kernels.triton_attention import AttentionConfig, paged_attention_triton
+
+    # 300 tokens: five pieces of 64 or three of 128, beside contexts of one piece and a chunk.
+    batch = paged_batch([1, 1, 9, 1], [300, 60, 40, 129], 8, 2, 64, 16, torch.float32)
+    want = paged_attention_ref(**batch)
+    poison_unused_slots(batch)
+    out = paged_attention_triton(**batch, config=AttentionConfig(max_split_tokens=max_split_tokens))
+    torch.testing.assert_close(out, want, **INTERP_TOL[torch.float32])
+
+
+def test_decode_splits_cut_long_contexts_of_a_full_batch():
+    from kernels.triton_attention import decode_splits
+
+    # 512 sequences fill the SMs unsplit, yet a 16k context goes in 1,024-token pieces.
+    num_splits, max_split = decode_splits(512, 8, 16384, 64, torch.device("cpu"))
+    assert (num_splits, max_split) == (16, 1024)
+    # A bound past 32k tokens lengthens the pieces instead of multiplying them.
+    assert decode_splits(512, 8, 131072, 64, torch.device("cpu")) == (32, 4096)
+
+
+def test_decode_splits_spread_a_small_batch_over_the_sms():
+    from kernels.triton_attention import decode_splits
+
+    # One sequence, 8 KV heads, the interpreter's 8 "SMs": 3 programs per SM want 3 splits,
+    # more than 2,048 tokens' pieces of at most 1,024.
+    assert decode_splits(1, 8, 2048, 64, torch.device("cpu")) == (3, 1024)
+
+
+@interpreter_only
 @pytest.mark.parametrize("dtype", INTERP_DTYPES, ids=str)
 def test_interp_rotary_and_kv_write(dtype):
     k_cache = torch.randn(10, 16, 3, 64).to(dtype)
@@ -513,6 +544,19 @@ def test_gpu_attention_splits_and_unwritten_slots(num_splits):
     want = paged_attention_ref(**batch)
     poison_unused_slots(batch)
     out = paged_attention_triton(**batch, config=AttentionConfig(num_splits=num_splits))
+    torch.testing.assert_close(out, want, **GPU_TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+def test_gpu_attention_cuts_a_long_decode_among_many_short_ones():
+    from kernels.triton_attention import paged_attention_triton
+
+    # 80 decodes fill the SMs unsplit; the 12k context still goes in 1,024-token pieces.
+    seq_lens = [12000] + [700 + 13 * i for i in range(79)]
+    batch = paged_batch([1] * 80, seq_lens, 32, 8, 128, 16, torch.bfloat16, "cuda")
+    want = paged_attention_ref(**batch)
+    poison_unused_slots(batch)
+    out = paged_attention_triton(**batch)
     torch.testing.assert_close(out, want, **GPU_TOL[torch.bfloat16])
 
 
