@@ -62,6 +62,40 @@ def test_greedy_identical_with_and_without_cuda_graphs(tmp_path, num_requests, d
     assert outputs[0] == outputs[1]
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_steps_mixing_prompts_and_decodes_identical_with_and_without_cuda_graphs(tmp_path, dtype):
+    """Requests arriving while others decode make steps of decodes plus a prompt chunk: with
+    graphs on, those replay the mixed graphs (padded to their token count) and change no token."""
+    save_tiny_llama(tmp_path)
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 512, (int(n),), generator=gen).tolist()
+               for n in torch.randint(5, 300, (12,), generator=gen)]
+    outputs = []
+    for eager in (True, False):
+        engine = engine_for(tmp_path, dtype, enforce_eager=eager)
+        replayed = []       # per step through the graphs: whether a mixed graph replayed it
+        if not eager:
+            run = engine.runner.graphs.run
+
+            def spy(ids, pos, md, run=run):
+                hidden = run(ids, pos, md)
+                replayed.append(md.max_query_len > 1 and hidden is not None)
+                return hidden
+            engine.runner.graphs.run = spy
+        tokens = {str(i): [] for i in range(len(prompts))}
+        step = 0
+        while step < 3 * len(prompts) or engine.has_unfinished():
+            if step % 3 == 0 and step // 3 < len(prompts):
+                i = step // 3
+                engine.add_request(str(i), prompts[i], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+            for o in engine.step():
+                tokens[o.request_id] += o.new_token_ids
+            step += 1
+        outputs.append(tokens)
+        assert eager or sum(replayed) >= len(prompts) - 1      # the prompts beside decodes
+    assert outputs[0] == outputs[1]
+
+
 def test_seeded_sampling_on_gpu_is_reproducible(tmp_path):
     save_tiny_llama(tmp_path)
     runs = []

@@ -17,7 +17,7 @@ from kernels.attention import gather_plan
 from kernels.cache import FP8_KV_DTYPE, copy_blocks, swap_blocks
 from worker.config import EngineConfig, ModelConfig
 from worker.context import AttentionMetadata, set_context
-from worker.cuda_graphs import DecodeGraphs
+from worker.cuda_graphs import MAX_MIXED_TOKENS, StepGraphs
 from worker.kv_pool import allocate_kv_cache
 from worker.lora import LoRASlots, attach_lora
 from worker.models.loader import ModelSource, load_model
@@ -123,11 +123,13 @@ class ModelRunner:
             self._compile_eager_kernels()
             # Tensor-parallel ranks run eagerly: their collectives are not captured (yet).
             if not config.enforce_eager and shard.size == 1:
-                self.graphs = DecodeGraphs(
+                self.graphs = StepGraphs(
                     self.model, min(config.max_num_seqs, config.max_num_batched_tokens),
-                    self.max_blocks_per_seq, self.max_model_len, cfg.hidden_size, self.dtype, self.device,
+                    min(MAX_MIXED_TOKENS, config.max_num_batched_tokens), self.max_blocks_per_seq,
+                    self.max_model_len, cfg.hidden_size, self.dtype, self.device,
                     lora=self.lora is not None)
-                log.info("capturing CUDA graphs of decode steps for %d batch sizes", len(self.graphs.sizes))
+                log.info("capturing CUDA graphs of %d decode batch sizes and %d mixed step sizes",
+                         len(self.graphs.decode_sizes), len(self.graphs.mixed_sizes))
                 self.graphs.capture()
         log.info("model %s on %s (%s): %d KV blocks of %d tokens = %d tokens, %.2f GiB of %s",
                  cfg.architecture, self.device, str(self.dtype).removeprefix("torch."), self.num_blocks,
@@ -294,9 +296,9 @@ class ModelRunner:
             seq_slots = np.array([s.seq.lora_slot for s in scheduled], dtype=np.int32)
             if (seq_slots >= 0).any():      # a step of base-model tokens skips the adapters
                 metadata.lora_slots = self._to_device(np.repeat(seq_slots, query_lens), "lora_slots")
-        if self.device.type == "cuda" and metadata.max_query_len == 1:
+        if self.device.type == "cuda":
             # Decode kernels split the context by this bound; CUDA graphs must use the largest
-            # one, and eager decodes use it too so both paths compute the same numbers.
+            # one, and eager steps use it too so both paths compute the same numbers.
             metadata.max_seq_len = self.max_model_len
         input_ids_device = self._to_device(input_ids, "input_ids")
         if (pending := np.flatnonzero(pending_rows >= 0)).size:
@@ -347,9 +349,8 @@ class ModelRunner:
             md.gather_plan = gather_plan(md.block_tables, md.seq_lens, md.query_start_loc,
                                          md.max_query_len, md.max_seq_len, self.block_size,
                                          step.input_ids.numel())
-        if self.graphs and md.max_query_len == 1 and self.graphs.fits(md.seq_lens.numel()):
-            hidden = self.graphs.run(step.input_ids, step.positions, md)
-        else:
+        hidden = self.graphs.run(step.input_ids, step.positions, md) if self.graphs else None
+        if hidden is None:
             set_context(md)
             try:
                 hidden = self.model(step.input_ids, step.positions)
