@@ -1,5 +1,7 @@
 """Engine behaviour on the real SmolLM2: block accounting, aborts, sampling, limits."""
 
+import time
+
 import pytest
 from helpers import LONG_STORY, PROMPTS, generate, generate_with_a_swap, greedy
 
@@ -196,11 +198,46 @@ def test_priority_policy_serves_urgent_request_first(make_engine, ids):
     assert [o.request_id for o in first_outputs(engine)] == ["urgent"]
 
 
-def test_fcfs_serves_in_arrival_order(make_engine, ids):
+def test_fcfs_serves_prompts_of_equal_length_in_arrival_order(make_engine, ids):
     engine = make_engine(max_num_seqs=1)
     engine.add_request("first", ids[0], greedy(3), priority=5)
-    engine.add_request("second", ids[1], greedy(3), priority=-1)
+    engine.add_request("second", ids[0], greedy(3), priority=-1)
     assert [o.request_id for o in first_outputs(engine)] == ["first"]
+
+
+def _plans(engine, steps: int) -> list[dict[str, int]]:
+    plans = []
+    for _ in range(steps):
+        engine.step()
+        plans.append({s.seq.request_id: s.num_tokens for s in engine.last_plan.scheduled})
+    return plans
+
+
+def test_a_short_prompt_goes_before_the_rest_of_an_earlier_long_one(make_engine, smollm_tokenizer):
+    engine = make_engine(max_num_batched_tokens=64)
+    story = 3 * smollm_tokenizer.encode(LONG_STORY, add_special_tokens=False)
+    engine.add_request("document", story[:150], greedy(2))
+    engine.add_request("short", story[150:170], greedy(2))
+    assert _plans(engine, 1) == [{"short": 20, "document": 44}]
+
+
+def test_a_decode_is_not_held_back_by_an_earlier_prompts_chunks(make_engine, smollm_tokenizer):
+    engine = make_engine(max_num_batched_tokens=64)
+    story = 3 * smollm_tokenizer.encode(LONG_STORY, add_special_tokens=False)
+    engine.add_request("document", story[:200], greedy(2))
+    engine.add_request("short", story[200:210], greedy(4))
+    assert _plans(engine, 3) == [{"short": 10, "document": 54}, {"short": 1, "document": 63},
+                                 {"short": 1, "document": 63}]
+
+
+def test_a_prompt_waiting_past_the_aging_bound_goes_before_shorter_ones(make_engine, smollm_tokenizer):
+    from worker.scheduler import PROMPT_AGING_S
+
+    engine = make_engine(max_num_batched_tokens=64)
+    story = 3 * smollm_tokenizer.encode(LONG_STORY, add_special_tokens=False)
+    engine.add_request("document", story[:150], greedy(2), arrival=time.monotonic() - PROMPT_AGING_S - 1)
+    engine.add_request("short", story[150:170], greedy(2))
+    assert _plans(engine, 1) == [{"document": 64}]
 
 
 def test_a_long_prompt_takes_at_most_the_long_prefill_threshold_a_step(make_engine, smollm_tokenizer):

@@ -84,7 +84,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
       help="swap: to host memory when there is room, else recompute")
     a("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching,
       help="share KV blocks of equal prompt prefixes")
-    a("--scheduling-policy", default=d.scheduling_policy, choices=["fcfs", "priority"])
+    a("--scheduling-policy", default=d.scheduling_policy, choices=["fcfs", "priority"],
+      help="fcfs: decodes in arrival order; priority: by each request's priority, then arrival. "
+           "Prompt chunks go shortest first within a priority (a prompt waiting over 2 s: by arrival)")
     a("--enforce-eager", action="store_true", default=d.enforce_eager, help="no CUDA graphs")
     a("--logits-processors", nargs="+", default=None, metavar="SPEC",
       help="custom logits processors requests may select by name: entry points of the "

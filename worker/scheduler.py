@@ -1,9 +1,9 @@
 """Iteration-level scheduling under a per-step token budget.
 
-Every step takes the running sequences first (in priority order), giving each the tokens it
-still has to compute (one for a decode, a chunk for a prompt: at most
-`long_prefill_token_threshold` of it when that is set) while the token budget lasts, then
-admits waiting sequences with what is left. Prompt and generated tokens are the same
+Every step gives the running sequences' decodes their token first (in priority order), then
+prompt chunks (at most `long_prefill_token_threshold` tokens each when that is set) to running
+and waiting sequences alike, shortest remaining prompt first (see `_prompt_order`), admitting
+waiting ones as they fit, while the token budget lasts. Prompt and generated tokens are the same
 thing here: a sequence just has tokens not yet computed. When the pool runs out of blocks the
 lowest-priority running sequence (the latest, under FCFS) is preempted: its blocks are copied
 to host swap space when there is room (and brought back when the pool has room again), else
@@ -13,6 +13,7 @@ behind it go first.
 """
 
 import bisect
+import time
 from dataclasses import dataclass, field
 
 from worker.config import EngineConfig
@@ -21,6 +22,8 @@ from worker.lora import LoRASlots
 from worker.sequence import Sequence, SeqStatus
 
 SWAP, RECOMPUTE = "swap", "recompute"
+# A prompt waiting longer than this goes before shorter ones (see Scheduler._prompt_order).
+PROMPT_AGING_S = 2.0
 
 
 @dataclass
@@ -163,40 +166,77 @@ class Scheduler:
         self.events.append(SchedulerEvent(seq, "resumed" if seq.was_preempted else "admitted",
                                           RECOMPUTE if seq.was_preempted else None))
 
+    def _prompt_order(self, seq: Sequence, now: float) -> tuple:
+        """Prompt work goes shortest first: a chat turn does not wait behind a long document's
+        chunks, and the document, finished a few tokens later, barely notices. A sequence
+        preempted mid-generation, and a prompt older than PROMPT_AGING_S, go first and in
+        arrival order, so no prompt waits forever behind a stream of shorter ones."""
+        urgent = seq.was_preempted or now - seq.arrival > PROMPT_AGING_S
+        return (seq.priority if self.priority_policy else 0, not urgent,
+                0 if urgent else seq.num_uncomputed, seq.arrival, seq.index)
+
     def schedule(self) -> SchedulerOutput:
+        """Decodes first, in priority order, then prompt chunks (of running sequences and of
+        waiting ones, admitted as they fit), in `_prompt_order`, while the budget lasts."""
         out = SchedulerOutput()
         budget = self.token_budget
         if self.swapped:
             self._swap_in()
         self.running.sort(key=self._order)
+        scheduled: set[int] = set()
 
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            if seq.at_max_len and seq.num_uncomputed <= seq.num_pending:
-                # Its pending token finishes it when read; or, a prompt scored with
-                # max_tokens 0, it is done once the step that computed it is read.
-                i += 1
-                continue
-            n = min(seq.num_uncomputed, budget, self.chunk_limit)
+        def grow(seq: Sequence, n: int) -> bool:
+            """Reserves blocks for `n` more tokens of running `seq`, preempting the lowest-
+            priority unscheduled running sequences while the pool is short; False: `seq`
+            itself was the one preempted."""
             while not self.blocks.reserve(seq, seq.num_computed + n):
-                victim = self.running[-1]       # unscheduled: we schedule from the front
+                victim = next(s for s in reversed(self.running) if id(s) not in scheduled)
                 self.preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
-                    break
-            else:
-                out.scheduled.append(ScheduledSeq(seq, n))
-                budget -= n
-                i += 1
+                    return False
+            return True
 
+        def take(seq: Sequence, n: int) -> None:
+            nonlocal budget
+            out.scheduled.append(ScheduledSeq(seq, n))
+            scheduled.add(id(seq))
+            budget -= n
+
+        prompts: list[Sequence] = []
+        for seq in list(self.running):
+            if budget <= 0:
+                break
+            if seq.status != SeqStatus.RUNNING:
+                continue                # preempted for an earlier one's blocks
+            if seq.at_max_len and seq.num_uncomputed <= seq.num_pending:
+                # Its pending token finishes it when read; or, a prompt scored with
+                # max_tokens 0, it is done once the step that computed it is read.
+                continue
+            if seq.num_uncomputed > 1:
+                prompts.append(seq)
+            elif grow(seq, 1):
+                take(seq, 1)
+
+        now = time.monotonic()
         # New work only joins when nothing had to be preempted: admitting it would just
         # take the blocks the preempted sequences need to come back.
-        for seq in list(self.waiting):
-            if budget <= 0 or len(self.running) >= self.max_num_seqs or out.preempted:
+        admitting = not out.preempted
+        for seq in sorted(prompts + (self.waiting if admitting else []),
+                          key=lambda seq: self._prompt_order(seq, now)):
+            if budget <= 0:
                 break
+            if seq.status == SeqStatus.RUNNING:
+                n = min(seq.num_uncomputed, budget, self.chunk_limit)
+                if grow(seq, n):
+                    take(seq, n)
+                if out.preempted:
+                    admitting = False
+                continue
+            if not admitting or seq.status != SeqStatus.WAITING or len(self.running) >= self.max_num_seqs:
+                continue
             if seq.num_pending:
-                break               # preempted with its token in flight: back once it is read
+                continue            # preempted with its token in flight: back once it is read
             if not self._take_lora_slot(seq):
                 continue            # every slot is pinned by other adapters' running sequences
             self.blocks.match_prefix(seq)
@@ -208,11 +248,11 @@ class Scheduler:
                 # own matches would stop it), a stall with no one left to preempt. The
                 # blocks stay cached, so the next try matches them again.
                 self.blocks.unmatch_prefix(seq)
-                break
+                admitting = False
+                continue
             self.blocks.count_prefix_match(seq)
             self._admit(seq)
-            out.scheduled.append(ScheduledSeq(seq, n))
-            budget -= n
+            take(seq, n)
         if self.lora is not None:
             # Each adapter's tokens side by side: a tile of the LoRA kernels then meets one
             # adapter or two instead of every one in the batch (kernels.triton_lora).
