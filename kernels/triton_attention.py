@@ -49,12 +49,17 @@ class AttentionConfig:
 _DECODE_PROGRAMS_PER_SM = 3
 # Below this, a split is too short to amortise its pipeline prologue and partial result.
 _MIN_TOKENS_PER_SPLIT = 256
-# Above this, a split is cut again however many programs the batch has: one unsplit program
+# Above this, a split is cut again even when the batch fills the SMs unsplit: one program
 # per (sequence, KV head) left a single 12k-token document the last program of every layer
 # while seventy 2k-token chats had long finished (W5 on an H200: decode steps of 17 ms where
-# their bytes take 9). The splits of a context never exceed _MAX_SPLITS, so a longer bound
-# on the context makes longer splits rather than larger partial results.
+# their bytes take 9).
 _MAX_TOKENS_PER_SPLIT = 1024
+# The grid is cut for the longest context the step may hold, and every program of a split
+# past a shorter context's end still takes an SM's slot to find that out: programs beyond
+# this many per SM cost more than the balance they buy (W1's 512 sequences: 5 % slower with
+# four splits each where one did), so a larger batch gets longer splits. Whatever the batch,
+# a context goes in at most _MAX_SPLITS pieces, which bounds the partial results.
+_DECODE_GRID_PROGRAMS_PER_SM = 16
 _MAX_SPLITS = 32
 # A float8 tile of 128 keys holds the bytes a 16-bit tile of 64 does: with 64, half the bytes
 # are in flight and the decode kernel read a float8 pool 1.3-1.4x slower than a bf16 one (H200).
@@ -283,10 +288,11 @@ def decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: i
     key tiles): evenly over `num_splits` programs when the batch is too small to fill the
     SMs, and in pieces of at most `max_split` tokens, so that no long context is left to one
     program."""
-    programs = num_seqs * num_kv_heads
-    wanted = triton.cdiv(_DECODE_PROGRAMS_PER_SM * num_sms(device), max(programs, 1))
+    programs = max(num_seqs * num_kv_heads, 1)
+    wanted = triton.cdiv(_DECODE_PROGRAMS_PER_SM * num_sms(device), programs)
     wanted = min(wanted, triton.cdiv(max_seq_len, _MIN_TOKENS_PER_SPLIT))
-    max_split = max(max_split_tokens, triton.cdiv(max_seq_len, _MAX_SPLITS))
+    affordable = min(_MAX_SPLITS, triton.cdiv(_DECODE_GRID_PROGRAMS_PER_SM * num_sms(device), programs))
+    max_split = max(max_split_tokens, triton.cdiv(max_seq_len, affordable))
     max_split = triton.cdiv(max_split, block_n) * block_n
     return max(1, wanted, triton.cdiv(max_seq_len, max_split)), max_split
 

@@ -378,14 +378,21 @@ def test_interp_attention_cuts_long_decodes_into_pieces_of_at_most_max_split_tok
     torch.testing.assert_close(out, want, **INTERP_TOL[torch.float32])
 
 
-def test_decode_splits_cut_long_contexts_of_a_full_batch():
+def test_decode_splits_cut_long_contexts_of_a_batch_that_fills_the_sms():
     from kernels.triton_attention import decode_splits
 
-    # 512 sequences fill the SMs unsplit, yet a 16k context goes in 1,024-token pieces.
-    num_splits, max_split = decode_splits(512, 8, 16384, 64, torch.device("cpu"))
-    assert (num_splits, max_split) == (16, 1024)
-    # A bound past 32k tokens lengthens the pieces instead of multiplying them.
-    assert decode_splits(512, 8, 131072, 64, torch.device("cpu")) == (32, 4096)
+    # 8 sequences x 2 KV heads fill the interpreter's 8 "SMs" (3 programs each) unsplit, yet a
+    # 4k context goes in 1,024-token pieces: 16 programs per SM afford 8 pieces a context.
+    assert decode_splits(8, 2, 4096, 64, torch.device("cpu")) == (4, 1024)
+    # A bound of 64k tokens makes 8 longer pieces rather than 64.
+    assert decode_splits(8, 2, 65536, 64, torch.device("cpu")) == (8, 8192)
+
+
+def test_decode_splits_leave_a_batch_of_many_programs_unsplit():
+    from kernels.triton_attention import decode_splits
+
+    # 64 sequences x 8 KV heads: 512 programs, four times the 128 the 8 "SMs" afford.
+    assert decode_splits(64, 8, 4096, 64, torch.device("cpu")) == (1, 4096)
 
 
 def test_decode_splits_spread_a_small_batch_over_the_sms():
@@ -551,7 +558,7 @@ def test_gpu_attention_splits_and_unwritten_slots(num_splits):
 def test_gpu_attention_cuts_a_long_decode_among_many_short_ones():
     from kernels.triton_attention import paged_attention_triton
 
-    # 80 decodes fill the SMs unsplit; the 12k context still goes in 1,024-token pieces.
+    # 80 decodes fill the SMs unsplit; the 12k context still goes in pieces.
     seq_lens = [12000] + [700 + 13 * i for i in range(79)]
     batch = paged_batch([1] * 80, seq_lens, 32, 8, 128, 16, torch.bfloat16, "cuda")
     want = paged_attention_ref(**batch)
