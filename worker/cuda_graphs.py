@@ -37,7 +37,8 @@ def batch_ladder(max_batch: int) -> list[int]:
 
 
 def mixed_ladder(max_tokens: int) -> list[int]:
-    """Token counts of the mixed graphs: padding stays under a quarter of a step's tokens."""
+    """Token counts of the mixed graphs: a step of more than 96 tokens is padded by under a
+    third of its tokens (smaller ones cost their weights' bytes whatever their padding)."""
     sizes = [16, 32, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024]
     return [s for s in sizes if s < max_tokens] + [max_tokens]
 
@@ -54,16 +55,15 @@ class StepGraphs:
         self.decode_sizes = batch_ladder(max_batch)
         self.mixed_sizes = mixed_ladder(max_mixed_tokens) if max_mixed_tokens > 1 else []
         max_tokens = max([max_batch] + self.mixed_sizes)
-        max_seqs = max_batch
         new = lambda *shape, dt=torch.int64: torch.zeros(*shape, dtype=dt, device=device)  # noqa: E731
         self.input_ids, self.positions = new(max_tokens), new(max_tokens)
         self.slot_mapping = new(max_tokens)
-        self.seq_lens = new(max_seqs, dt=torch.int32)
-        self.query_start_loc = new(max_seqs + 1, dt=torch.int32)
-        self.block_tables = new(max_seqs, max_blocks_per_seq, dt=torch.int32)
+        self.seq_lens = new(max_batch, dt=torch.int32)
+        self.query_start_loc = new(max_batch + 1, dt=torch.int32)
+        self.block_tables = new(max_batch, max_blocks_per_seq, dt=torch.int32)
         self.lora_slots = torch.full((max_tokens,), -1, dtype=torch.int32, device=device) if lora else None
         self.hidden = torch.zeros(max_tokens, hidden_size, dtype=dtype, device=device)
-        # (decode, batch size) or (mixed, token count) -> its graph
+        # (False, batch size) for a decode graph, (True, token count) for a mixed one
         self.graphs: dict[tuple[bool, int], torch.cuda.CUDAGraph] = {}
         self.pool = None
 
@@ -102,6 +102,7 @@ class StepGraphs:
                  self.decode_sizes, self.mixed_sizes)
 
     def _pick(self, num_tokens: int, num_seqs: int, mixed: bool) -> int | None:
+        """The size of the graph that holds the step, None if none does."""
         sizes = self.mixed_sizes if mixed else self.decode_sizes
         if num_seqs > self.max_batch:
             return None

@@ -222,8 +222,10 @@ class Scheduler:
         # New work only joins when nothing had to be preempted: admitting it would just
         # take the blocks the preempted sequences need to come back.
         admitting = not out.preempted
-        for seq in sorted(prompts + (self.waiting if admitting else []),
-                          key=lambda seq: self._prompt_order(seq, now)):
+        # Only as many waiting ones as could join, the earliest: a long queue is not sorted
+        # every step.
+        candidates = self.waiting[:max(0, self.max_num_seqs - len(self.running))] if admitting else []
+        for seq in sorted(prompts + candidates, key=lambda seq: self._prompt_order(seq, now)):
             if budget <= 0:
                 break
             if seq.status == SeqStatus.RUNNING:
