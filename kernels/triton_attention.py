@@ -4,8 +4,9 @@ The sequences of a step are told apart at run time, on the device, by their quer
 
 * single-query sequences (decodes) go to `_decode_kernel`, one program per (sequence, KV
   head, split of the context). Long contexts are split so that even a modest batch of
-  decodes fills every SM; the last split of each (sequence, KV head) to finish merges the
-  splits by their log-sum-exp.
+  decodes fills every SM, and so that no long context is left to one program while the rest
+  of the batch waits on it (`decode_splits`); the last split of each (sequence, KV head) to
+  finish merges the splits by their log-sum-exp.
 * longer ones (prefill chunks, with or without earlier context in the pool) go to
   `_prefill_kernel`, FlashAttention-style: one program per tile of query tokens and KV
   head, key tiles above the causal diagonal never visited.
