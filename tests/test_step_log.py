@@ -4,8 +4,10 @@ import io
 import json
 import time
 
+import pytest
+
 from common.sampling_params import SamplingParams
-from worker.step_log import StepLog
+from worker.step_log import STEP_LOG_ENV, StepLog
 
 
 def _greedy(max_tokens: int) -> SamplingParams:
@@ -46,3 +48,14 @@ def test_a_step_with_a_prompt_beside_a_decode_counts_both_and_the_queues(make_en
     assert (mixed["prefill_seqs"], mixed["prefill_tokens"], mixed["decodes"]) == (1, 5, 1)
     assert (mixed["running"], mixed["waiting"], mixed["max_context"]) == (2, 0, 5)
     assert mixed["ms"] > 0
+
+
+def test_the_log_is_off_without_the_setting(monkeypatch):
+    monkeypatch.delenv(STEP_LOG_ENV, raising=False)
+    assert StepLog.from_env() is None
+
+
+def test_a_path_that_cannot_be_opened_is_refused_naming_the_setting(monkeypatch, tmp_path):
+    monkeypatch.setenv(STEP_LOG_ENV, str(tmp_path / "missing-dir" / "steps.jsonl"))
+    with pytest.raises(ValueError, match=f"{STEP_LOG_ENV}=.*missing-dir.*cannot open it"):
+        StepLog.from_env()

@@ -150,8 +150,8 @@ class EngineLoop:
         self._stopped = True
         self.wake.set()
         self._thread.join(timeout=10)
-        if self.step_log is not None:
-            self.step_log.close()
+        if self.step_log is not None and not self._thread.is_alive():
+            self.step_log.close()       # an engine thread still in a step may yet write to it
 
     def call(self, command: Callable[[], None]) -> None:
         self.commands.put(command)

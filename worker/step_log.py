@@ -32,7 +32,13 @@ class StepLog:
     @classmethod
     def from_env(cls) -> "StepLog | None":
         path = os.environ.get(STEP_LOG_ENV)
-        return cls(open(path, "a", buffering=1 << 16)) if path else None
+        if not path:
+            return None
+        try:
+            return cls(open(path, "a", buffering=1 << 16))
+        except OSError as e:
+            # Said at start-up, naming the setting: not a bare errno from deep in the worker.
+            raise ValueError(f"{STEP_LOG_ENV}={path!r}: cannot open it for appending ({e.strerror})") from e
 
     def record(self, started: float, duration_s: float, plan: SchedulerOutput,
                running: int, waiting: int, swapped: int) -> None:
