@@ -27,7 +27,7 @@ GROUPS = {"engine": ["tests/test_gpu_stress.py", "tests/test_gpu_engine.py", "te
           "kernels": ["tests/test_kernels.py", "tests/test_linear.py", "tests/test_fp8.py", "tests/test_fp8_grouped.py",
                       "tests/test_w4a16.py",
                       "tests/test_gguf_quantized.py", "tests/test_kv_cache_dtype.py", "tests/test_lora.py",
-                      "tests/test_lora_kernels.py"]}
+                      "tests/test_lora_kernels.py", "tests/test_pdl.py"]}
 
 
 def read_junit(path: Path) -> list[dict]:

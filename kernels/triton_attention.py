@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import launch_options, pdl_enabled, wait_for_predecessor
 from .triton_split_k import num_sms, split_k_counters
 
 
@@ -125,7 +126,8 @@ def _decode_kernel(out, part_out, part_lse, counters, q, k_cache, v_cache, k_sca
                    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                    SPLIT: tl.constexpr, SCALED: tl.constexpr, Q_F16: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr):
+                   DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+    wait_for_predecessor(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -348,13 +350,15 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32,
                                device=q.device)
         counters = split_k_counters(q.device, num_seqs * num_kv_heads)
+    pdl = pdl_enabled(q.device)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         out, part_out, part_lse, counters, q, k_cache, v_cache, *scales, block_tables, seq_lens,
         query_start_loc, qk_scale, num_splits, max_split, q.stride(0), q.stride(1), out.stride(0),
         out.stride(1), *pool_strides,
         NUM_HEADS=num_heads, GROUP=group, BLOCK_G=max(16, group_pad), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=num_splits > 1, SCALED=scaled, Q_F16=q_f16,
-        DOT_PRECISION=dot_precision, num_warps=cfg.decode_num_warps, num_stages=cfg.decode_num_stages)
+        DOT_PRECISION=dot_precision, PDL=pdl, num_warps=cfg.decode_num_warps,
+        num_stages=cfg.decode_num_stages, **launch_options(pdl))
 
     if max_query_len > 1:
         # Wide rows (fp32, head_dim over 128) need twice the shared memory per tile: halve

@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import launch_options, pdl_enabled, wait_for_predecessor
 from kernels.triton_split_k import TileConfig, num_sms, pick_split, split_k_counters, split_k_reduce
 
 
@@ -87,14 +88,16 @@ def _fp8_weight_only_kernel(out, partial, counters, x, w, w_scale, bias, M, N, K
                             HAS_SCALE: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
                             SPLIT: tl.constexpr, MODE: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            DOT_PRECISION: tl.constexpr):
+                            DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
     """MODE "dot": acc [M, N] += x [M, K] @ W^T [K, N] on the tensor cores; "dot_t": the same
     product transposed, W [N, K] @ x^T [K, M] (the wide weight tile the left operand);
     "fma": BLOCK_M == 1, no tensor cores: each weight multiplied into the one row of x on the
     FMA units, a [BLOCK_N, BLOCK_K] fp32 accumulator summed over K once at the end.
     GROUP 0: one scale per output channel (`w_scale [N]`), applied to the sum; GROUP > 0: one
     per channel per GROUP inputs (`w_scale [N, ceil(K / GROUP)]`, row stride `stride_sn`),
-    applied to each K-tile's products (BLOCK_K divides GROUP, so a tile has one scale a row)."""
+    applied to each K-tile's products (BLOCK_K divides GROUP, so a tile has one scale a row).
+    PDL: launched early, waiting for the kernel before (`kernels.pdl`)."""
+    wait_for_predecessor(PDL)
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -246,6 +249,7 @@ def fp8_weight_only_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: 
     if bias is not None:
         assert bias.numel() == n and bias.is_contiguous()
     placeholder = out       # for the pointers the kernel does not read
+    pdl = pdl_enabled(x.device)
     _fp8_weight_only_kernel[grid](
         out, partial, counters, x, weight, placeholder if weight_scale is None else weight_scale,
         placeholder if bias is None else bias,
@@ -253,8 +257,8 @@ def fp8_weight_only_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: 
         weight_scale.stride(0) if group else 0,
         HAS_SCALE=weight_scale is not None, GROUP=group, HAS_BIAS=bias is not None, SPLIT=split_k > 1,
         MODE=cfg.mode, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        DOT_PRECISION="tf32x3" if x.dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        DOT_PRECISION="tf32x3" if x.dtype == torch.float32 else "tf32", PDL=pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl))
     return out
 
 

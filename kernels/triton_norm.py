@@ -9,10 +9,14 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import launch_options, pdl_enabled, wait_for_predecessor
+
 
 @triton.jit
 def _rms_norm_kernel(out, res_out, x, residual, weight, stride_x, stride_r, stride_o,
-                     stride_ro, n_cols, eps, ADD_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     stride_ro, n_cols, eps, ADD_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr):
+    wait_for_predecessor(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -46,10 +50,11 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     assert x2.stride(-1) == r2.stride(-1) == weight.stride(-1) == 1
     block = triton.next_power_of_2(n_cols)
     if x2.shape[0]:
+        pdl = pdl_enabled(x.device)
         _rms_norm_kernel[(x2.shape[0],)](
             out, res_out, x2, r2, weight, x2.stride(0), r2.stride(0), out.stride(0),
             res_out.stride(0), n_cols, eps, ADD_RESIDUAL=residual is not None, BLOCK=block,
-            num_warps=min(max(block // 512, 1), 8))
+            PDL=pdl, num_warps=min(max(block // 512, 1), 8), **launch_options(pdl))
     return out.view(x.shape), res_out.view(x.shape)
 
 

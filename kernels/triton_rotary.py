@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from .fp8 import FP8_DTYPE, FP8_MAX
+from .pdl import launch_options, pdl_enabled, wait_for_predecessor
 
 
 @triton.jit
@@ -51,7 +52,9 @@ def _rotary_write_kv_kernel(q_out, q, k, v, positions, cos_sin_cache, slot_mappi
                             stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
                             NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
                             BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KH: tl.constexpr,
-                            BLOCK_HALF: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr):
+                            BLOCK_HALF: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr,
+                            PDL: tl.constexpr):
+    wait_for_predecessor(PDL)
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions + token).to(tl.int64)
     i = tl.arange(0, BLOCK_HALF)
@@ -95,6 +98,7 @@ def rotary_write_kv_triton(positions: torch.Tensor, q: torch.Tensor, k: torch.Te
     if num_tokens:
         half = head_dim // 2
         fp8 = k_cache.dtype == FP8_DTYPE
+        pdl = pdl_enabled(q.device)
         _rotary_write_kv_kernel[(num_tokens,)](
             q_out, q, k, v, positions, cos_sin_cache, slot_mapping, k_cache, v_cache,
             k_scale if fp8 else slot_mapping, v_scale if fp8 else slot_mapping,   # unread unless FP8
@@ -103,5 +107,6 @@ def rotary_write_kv_triton(positions: torch.Tensor, q: torch.Tensor, k: torch.Te
             *k_cache.stride()[:3], *v_cache.stride()[:3],
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half, BLOCK_SIZE=block_size,
             BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_KH=triton.next_power_of_2(num_kv_heads),
-            BLOCK_HALF=triton.next_power_of_2(half), FP8=fp8, FP8_MAX=FP8_MAX)
+            BLOCK_HALF=triton.next_power_of_2(half), FP8=fp8, FP8_MAX=FP8_MAX, PDL=pdl,
+            **launch_options(pdl))
     return q_out

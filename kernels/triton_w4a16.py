@@ -54,6 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import launch_options, pdl_enabled, wait_for_predecessor
 from .triton_split_k import TileConfig, pick_split, split_k_counters, split_k_reduce
 from .w4_weight import W4Weight
 
@@ -120,13 +121,15 @@ def _w4a16_kernel(out, partial, counters, x, qweight, scales, zeros, offsets, pe
                   stride_sg, stride_zg, stride_og, HAS_PERM: tl.constexpr,
                   HAS_OFFSET: tl.constexpr, SPLIT: tl.constexpr, MODE: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  TILE_GROUPS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                  TILE_GROUPS: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
     """MODE "dot": acc [M, N] += x [M, K] @ (q - z) [K, N] on the tensor cores, scaled after
     the dot when the tile is one group; a tile of several groups (TILE_GROUPS > 1) has its
     weights dequantized in registers, `(q - z) * s + o`, before one dot. "fma": BLOCK_M == 1,
     no tensor cores: each weight multiplied into the one row of x on the FMA units, three
     instructions per weight (batch-1 decode: 1.4-2x the dot's speed there), each word row
-    scaled by its group's scale. Offsets add `offset * sum(x)` over each group's inputs."""
+    scaled by its group's scale. Offsets add `offset * sum(x)` over each group's inputs.
+    PDL: launched early, waiting for the kernel before (`kernels.pdl`)."""
+    wait_for_predecessor(PDL)
     WORDS: tl.constexpr = BLOCK_K // 8
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -346,6 +349,7 @@ def w4a16_matmul_triton(x: torch.Tensor, w: W4Weight,
     # fp32 as three TF32 products (about fp32 accuracy on tensor cores); the 16-bit types
     # are exact inputs to the tensor cores anyway.
     dot_precision = "tf32x3" if x.dtype == torch.float32 else "tf32"
+    pdl = pdl_enabled(x.device)
     _w4a16_kernel[grid](
         out, partial, counters, x2, w.qweight, w.scales, w.zeros,
         offsets if offsets is not None else w.scales, w.perm if w.perm is not None else x2,
@@ -354,5 +358,5 @@ def w4a16_matmul_triton(x: torch.Tensor, w: W4Weight,
         offsets.stride(0) if offsets is not None else 0,
         HAS_PERM=w.perm is not None, HAS_OFFSET=offsets is not None, SPLIT=split_k > 1, MODE=cfg.mode, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, TILE_GROUPS=groups_a_tile, DOT_PRECISION=dot_precision,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl))
     return out.view(*x.shape[:-1], n)

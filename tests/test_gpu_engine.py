@@ -243,3 +243,24 @@ def test_structured_outputs_on_the_gpu_follow_their_schema_beside_free_rows(tmp_
     tokenizer = engine.grammars._load_tokenizer()
     for rid in list(mixed)[1:]:
         jsonschema.validate(json.loads(tokenizer.decode(mixed[rid][0], skip_special_tokens=True)), schema)
+
+
+def test_decoding_with_pdl_changes_no_token(tmp_path, monkeypatch):
+    """The decode kernels launched with programmatic dependent launch (`kernels.pdl`, on by
+    default on Hopper) give the tokens they give without it, in CUDA graphs and eagerly."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("PDL needs compute capability 9.0+")
+    save_tiny_llama(tmp_path)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 512, (int(n),), generator=gen).tolist()
+               for n in torch.randint(5, 200, (8,), generator=gen)]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    outputs = {}
+    for pdl in ("0", "1"):
+        monkeypatch.setenv("PAGEDSERVE_PDL", pdl)
+        for eager in (True, False):
+            engine = engine_for(tmp_path, "bfloat16", enforce_eager=eager)
+            # One request alone (the one-row GEMVs), then eight at once (the tensor-core tiles).
+            outputs[pdl, eager] = (generate(engine, prompts[:1], params), generate(engine, prompts, params))
+    assert outputs["1", False] == outputs["0", False]
+    assert outputs["1", True] == outputs["0", True]
