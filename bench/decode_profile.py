@@ -5,6 +5,10 @@ copy's) launches and time per step. Also W2's decode rate
 and the weight bandwidth it achieves (weight bytes x tokens/s, as gpt-fast prints it).
 
     python bench/decode_profile.py --out profile.json [--quantization fp8] [--kv-cache-dtype fp8] [--power]
+        [--pdl off]
+
+`--pdl off` launches the decode kernels without programmatic dependent launch (`kernels/pdl.py`;
+the same as `PAGEDSERVE_PDL=0`), for a same-run comparison against the default.
 
 `--power` also decodes 1,500 tokens while `nvidia-smi` samples the GPU's power, clocks and
 clock-limiting reasons (`gpu_power.py`).
@@ -14,6 +18,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import os
 import sys
 import time
 from collections import defaultdict
@@ -25,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 from common.sampling_params import SamplingParams  # noqa: E402
+from kernels.pdl import pdl_enabled  # noqa: E402
 from worker.config import EngineConfig  # noqa: E402
 from worker.engine import LLMEngine  # noqa: E402
 from gpu_power import PowerSampler  # noqa: E402
@@ -92,7 +98,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--trace", help="also write the chrome trace here")
     parser.add_argument("--power", action="store_true", help="sample power and clocks over a 1,500-token decode")
+    parser.add_argument("--pdl", choices=("on", "off"), default="on",
+                        help="programmatic dependent launch of the decode kernels (on: where the GPU has it)")
     args = parser.parse_args()
+    if args.pdl == "off":
+        os.environ["PAGEDSERVE_PDL"] = "0"
     # A small max_num_seqs: only batch 1 runs, and fewer CUDA graphs to capture.
     engine = LLMEngine(EngineConfig(model=args.model, load_format="dummy", dtype="bfloat16",
                                     max_model_len=4096, max_num_seqs=8, gpu_memory_utilization=0.85,
@@ -104,6 +114,7 @@ def main() -> None:
     rate = max(rates)
     result = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "commit": current_commit(),
               "model": args.model, "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
+              "pdl": pdl_enabled(torch.device("cuda")),     # whether it was on, not just asked for
               "weight_bytes": weight_bytes, "w2_decode_tokens_per_s": rates,
               "achieved_weight_tb_per_s": weight_bytes * rate / 1e12,
               "profile": profile_steps(engine, args.steps, Path(args.trace) if args.trace else None)}
