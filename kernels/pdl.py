@@ -1,11 +1,11 @@
 """Programmatic dependent launch (PDL) of the decode step's Triton kernels on Hopper and later.
 
 A batch-1 decode step of an 8B model is about 300 kernels, most of them a few microseconds
-long, and between each two the GPU idled about a microsecond while the next grid launched.
-A kernel launched with PDL starts
-while its predecessor still runs: its launch and the set-up of its programs overlap the
-predecessor's last programs, and then it waits for the predecessor. Measured (8B bf16, one
-H200, same call): W2 221.5 tok/s without, 230.1 with; GPU idle per step 0.56 -> 0.30 ms.
+long, and between each two the GPU idled about a microsecond while the next grid launched. A
+kernel launched with PDL starts while its predecessor still runs: its launch and the set-up of
+its programs overlap the predecessor's last programs, and then it waits for the predecessor.
+Measured (8B bf16, one H200, same call): W2 221.5 tok/s without, 230.1 with; GPU idle per
+step 0.56 -> 0.30 ms (docs/BENCHMARKS.md, 2026-12-04).
 Prefetching a GEMV's weight into L2 before the wait made it slower (228.1 with 1 KB a row,
 211.7 with 4 KB: the prefetches compete with the predecessor's and the GEMV's own loads).
 
@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-try:    # Triton 3.3+; an older one runs everything without PDL
+try:    # a Triton without grid dependency control runs everything without PDL
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
     _AVAILABLE = True
 except ImportError:  # pragma: no cover - depends on the installed Triton
@@ -58,7 +58,6 @@ def wait_for_predecessor(PDL: tl.constexpr):
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-
 
 
 def launch_options(pdl: bool) -> dict:
