@@ -10,8 +10,8 @@
 #   W5_RATES=8,16 W5_DURATION=60 bash bench/gpu_w5.sh
 #   W5_NAME=t1024 W5_ENGINE_ARGS="--long-prefill-token-threshold 1024" bash bench/gpu_w5.sh
 #
-# W5_ENGINE_ARGS (default `--max-num-batched-tokens 4096`, which gave the best goodput at 12 req/s:
-# docs/BENCHMARKS.md, 2026-12-04) are the server's scheduling flags;
+# W5_ENGINE_ARGS (default none: the server's own defaults, a 4,096-token step budget on a GPU)
+# are the server's scheduling flags;
 # W5_NAME suffixes the output files (w5_NAME.json ...), so several settings fit one call.
 #
 # Carry `common/generated` and `.whl` (see bench/h200.sh); pass PAGEDSERVE_COMMIT to name the commit.
@@ -23,7 +23,7 @@ suffix=${W5_NAME:+_$W5_NAME}
 timeout "${W5_TIMEOUT:-540}" python3 bench/w5.py --serve --api "${W5_APIS:-grpc,http}" \
     --rates "${W5_RATES:-4,8,12,16}" --duration "${W5_DURATION:-30}" \
     --model-args "--model llama-3.1-8b --load-format dummy --dtype bfloat16 --max-model-len 16384 \
---max-num-seqs 512 --gpu-memory-utilization 0.85 ${W5_ENGINE_ARGS:---max-num-batched-tokens 4096}" \
+--max-num-seqs 512 --gpu-memory-utilization 0.85 ${W5_ENGINE_ARGS:-}" \
     --out "$OUT/w5$suffix.json" --markdown "$OUT/w5$suffix.md" 2>&1 | tee "$OUT/w5$suffix.log" \
     | grep -v "^ *$" | tail -60
 echo "w5.py exit code ${PIPESTATUS[0]}" | tee -a "$OUT/w5$suffix.log"

@@ -200,7 +200,7 @@ def fp8_space():
     modes: kernels/triton_fp8.py); the candidates left from the wider sweeps of
     docs/BENCHMARKS.md."""
     fma = [("fma", 1, bn, bk, w, s) for bn, bk, (w, s) in itertools.product(
-        (16, 32), (256, 512), ((4, 3), (8, 3), (4, 1)))]
+        (8, 16, 32), (256, 512, 1024), ((4, 3), (8, 3), (8, 4), (4, 1)))]
     small = [("dot", 16, 32, 256, 4, 3), ("dot", 16, 64, 128, 4, 3), ("dot", 16, 64, 128, 8, 4),
              ("dot_t", 16, 64, 128, 4, 3)]
     mid = [("dot", 32, 64, 256, 4, 3), ("dot", 32, 64, 128, 4, 3), ("dot_t", 32, 64, 128, 4, 3)]
@@ -210,7 +210,8 @@ def fp8_space():
 
 def w4_space():
     fma = [("fma", 1, bn, bk, w, s) for bn, bk, (w, s) in itertools.product(
-        (64, 128, 256), (64, 128), ((4, 1), (4, 3), (8, 3)))]
+        (64, 128, 256), (64, 128, 256), ((4, 1), (4, 3), (8, 3), (8, 4)))]
+    fma += [("fma", 1, bn, 512, w, s) for bn, (w, s) in itertools.product((32, 64), ((4, 3), (8, 3)))]
     small = [("dot", 16, bn, bk, w, s) for bn, bk, (w, s) in itertools.product(
         (64, 128), (64, 128), ((4, 3), (4, 4), (8, 3)))]
     mid = [("dot", 64, 128, 128, 4, 3), ("dot", 64, 64, 128, 4, 3), ("dot", 64, 128, 128, 8, 3)]

@@ -68,3 +68,8 @@ def test_a_stopped_sequence_reports_nothing_after_its_stop_token(make_engine, id
 def test_it_is_off_by_default_on_the_cpu_where_nothing_would_overlap(make_engine):
     assert make_engine().config.async_scheduling is False
     assert make_engine(async_scheduling=True).config.async_scheduling is True
+
+
+def test_the_engine_takes_the_cpu_step_budget_unless_given_one(make_engine):
+    assert make_engine().config.max_num_batched_tokens == 2048
+    assert make_engine(max_num_batched_tokens=96).config.max_num_batched_tokens == 96

@@ -173,6 +173,16 @@ def test_async_scheduling_is_on_by_default_on_a_gpu(tmp_path):
     assert engine_for(tmp_path, "float32").config.async_scheduling is True
 
 
+def test_a_gpu_engine_takes_4096_token_steps_unless_given_a_budget(tmp_path):
+    save_tiny_llama(tmp_path, max_position_embeddings=4096)
+    engine = LLMEngine(EngineConfig(model=str(tmp_path), device="cuda", dtype="float32", num_blocks=256,
+                                    max_num_seqs=32))
+    assert engine.config.max_num_batched_tokens == 4096
+    engine.add_request("long", [i % 512 for i in range(3000)], SamplingParams(max_tokens=2, ignore_eos=True))
+    engine.step()
+    assert engine.last_plan.num_tokens == 3000      # the whole prompt in one step, not 2048 + 952
+
+
 COUNT_COMPILES_IN_STEPS = """
 import sys, torch, triton
 from common.sampling_params import SamplingParams

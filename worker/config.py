@@ -1,6 +1,6 @@
 """Configuration records of the worker: the model's shape and the engine's limits."""
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 # --quantization values: how the decoder's linear layers compute (vLLM's names). "none" keeps the
 # weights as the checkpoint has them (a pre-quantized checkpoint stays quantized); "fp8" also
@@ -13,6 +13,13 @@ QUANTIZATION_METHODS = ("none", "fp8", "int8", "gptq", "awq", "compressed-tensor
 # --kv-cache-dtype values: "auto" stores K/V in the model's dtype; "fp8" (alias "fp8_e4m3") in
 # float8 e4m3 with a scale per layer or per KV head, half the bytes of 16-bit K/V.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+# --max-num-batched-tokens when not given, by device type. On a GPU the budget bounds how long a
+# new chat waits behind a step already running, and 4096 gave the best goodput of W5 (a chat
+# mix with long documents) against 2048 and 8192 on an H100 and an H200 (docs/BENCHMARKS.md,
+# 2026-12-04 and 2026-12-05); vLLM's API server takes 8192 on GPUs of 70 GB or more and 2048
+# on smaller ones. On the CPU, where prompt tokens compute far more slowly and every running
+# decode waits out the step, the smaller budget (not measured against 4096 there).
+DEFAULT_STEP_TOKENS = {"cuda": 4096, "cpu": 2048}
 
 
 @dataclass(frozen=True)
@@ -70,7 +77,8 @@ class EngineConfig:
     seed: int = 0                         # for dummy weights
     block_size: int = 16
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    # Token budget of one step; None: DEFAULT_STEP_TOKENS for the device (`for_device`).
+    max_num_batched_tokens: int | None = None
     # Most prompt tokens one sequence computes in a step (0: up to the budget), vLLM's name: a
     # long document then leaves room for the decodes and short prompts beside it.
     long_prefill_token_threshold: int = 0
@@ -112,7 +120,7 @@ class EngineConfig:
             raise ValueError(f"block_size={self.block_size} must be one of 8, 16, 32, 64, 128")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
-        if self.max_num_batched_tokens < 1:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= 1")
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold={self.long_prefill_token_threshold} "
@@ -145,3 +153,12 @@ class EngineConfig:
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks={self.num_blocks} must be >= 1")
         return self
+
+    def for_device(self, device_type: str) -> "EngineConfig":
+        """This config with the settings left to the device (None) chosen for `device_type`
+        ("cuda" or "cpu"): the step's token budget and asynchronous scheduling."""
+        return replace(
+            self,
+            max_num_batched_tokens=(DEFAULT_STEP_TOKENS.get(device_type, DEFAULT_STEP_TOKENS["cpu"])
+                                    if self.max_num_batched_tokens is None else self.max_num_batched_tokens),
+            async_scheduling=device_type == "cuda" if self.async_scheduling is None else self.async_scheduling)

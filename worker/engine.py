@@ -19,7 +19,6 @@ read, without drawing.
 Not thread-safe: one thread drives it (the worker server queues RPC commands to that thread).
 """
 
-import dataclasses
 import functools
 import logging
 import random
@@ -33,7 +32,7 @@ from worker.config import EngineConfig
 from worker.kv_pool import BlockManager, SwapPool
 from worker.logits_processors import load_processors
 from worker import ranks
-from worker.model_runner import ModelRunner
+from worker.model_runner import ModelRunner, resolve_device
 from worker.models.loader import ModelSource, load_tokenizer, resolve_source
 from worker.models.lora_checkpoint import read_lora_adapter
 from worker.parallel import Shard
@@ -107,7 +106,7 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig, source: ModelSource | None = None, loaded=None):
         """`loaded`: (ModelConfig, model) already in memory, to share weights between engines."""
-        self.config = config.validate()
+        self.config = config = config.validate().for_device(resolve_device(config.device).type)
         self.source = source or resolve_source(config.model, config.load_format)
         # Ranks 1..N-1 of a tensor-parallel worker run in processes of their own.
         self.ranks = ranks.launch(config, self.source) if config.tensor_parallel_size > 1 else None
@@ -117,8 +116,6 @@ class LLMEngine:
             if self.ranks is not None:
                 self.ranks.abandon()    # they would wait for this rank in a collective forever
             raise
-        if config.async_scheduling is None:
-            self.config = dataclasses.replace(config, async_scheduling=self.runner.device.type == "cuda")
         self.model_config = self.runner.model_config
         self.max_model_len = self.runner.max_model_len
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)

@@ -70,7 +70,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     a("--block-size", type=int, default=d.block_size, help="tokens per KV block")
     a("--max-num-seqs", type=int, default=d.max_num_seqs, help="sequences per step")
     a("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
-      help="token budget of one step (prefill chunks + decodes)")
+      help="token budget of one step (prefill chunks + decodes); default 4096 on a GPU, 2048 "
+           "on the CPU")
     a("--long-prefill-token-threshold", type=int, default=d.long_prefill_token_threshold,
       help="most prompt tokens one request computes in a step (0: up to the step's budget)")
     a("--max-model-len", type=int, default=None, help="context limit (default: the model's)")

@@ -1,0 +1,36 @@
+"""worker/config.py: the engine's settings, their checks and the defaults left to the device."""
+
+import pytest
+
+from worker.config import DEFAULT_STEP_TOKENS, EngineConfig
+
+
+def test_a_gpu_takes_4096_token_steps_and_asynchronous_scheduling_by_default():
+    config = EngineConfig(model="default").for_device("cuda")
+    assert config.max_num_batched_tokens == DEFAULT_STEP_TOKENS["cuda"] == 4096
+    assert config.async_scheduling is True
+
+
+def test_the_cpu_takes_2048_token_steps_without_asynchronous_scheduling_by_default():
+    config = EngineConfig(model="default").for_device("cpu")
+    assert config.max_num_batched_tokens == DEFAULT_STEP_TOKENS["cpu"] == 2048
+    assert config.async_scheduling is False
+
+
+@pytest.mark.parametrize("device_type", ["cuda", "cpu"])
+def test_settings_given_are_kept_on_any_device(device_type):
+    config = EngineConfig(model="default", max_num_batched_tokens=512, async_scheduling=False)
+    resolved = config.for_device(device_type)
+    assert (resolved.max_num_batched_tokens, resolved.async_scheduling) == (512, False)
+    assert resolved == config
+
+
+def test_the_defaults_are_left_to_the_device_until_it_is_known():
+    config = EngineConfig(model="default")
+    assert config.max_num_batched_tokens is None and config.async_scheduling is None
+
+
+@pytest.mark.parametrize("budget", [0, -1])
+def test_a_step_budget_below_one_is_refused_naming_the_setting(budget):
+    with pytest.raises(ValueError, match=f"max_num_batched_tokens={budget} must be >= 1"):
+        EngineConfig(model="default", max_num_batched_tokens=budget).validate()
