@@ -40,7 +40,11 @@ RESTART_WINDOW_S = 300.0
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Shows defaults and keeps the descriptions' line breaks."""
+    """Shows defaults and keeps the descriptions' line breaks. A default of None is left to the
+    flag's help, which says what not giving it means (the device's choice, the model's limit)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        return action.help if action.default is None else super()._get_help_string(action)
 
 
 # ------------------------------------------------------------------------------ serve

@@ -69,6 +69,15 @@ def test_help_names_each_flags_environment_variable(capsys):
         assert f"[env {name}]" in help_text
 
 
+def test_help_gives_the_step_budget_of_each_device_not_a_default_of_none(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "default 4096 on a GPU, 2048 on the CPU" in help_text
+    assert "(default: None)" not in help_text
+    assert "(default: 256)" in help_text        # given defaults are still shown (--max-num-seqs)
+
+
 ROUTER_WITHOUT_TORCH = """
 import contextlib, io, sys
 from launcher import cli
