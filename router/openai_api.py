@@ -236,8 +236,11 @@ class OpenAIApi:
             body = await self._body(request)
             grpc_requests = generate_requests(body, chat=chat, request_id=request[REQUEST_ID])
             stream = body_field(body, "stream", (bool,), False)
-            include_usage = body_field(body_field(body, "stream_options", (dict,), {}),
-                                       "include_usage", (bool,), False)
+            stream_options = body_field(body, "stream_options", (dict,), {})
+            if stream_options and not stream:
+                # As OpenAI and vLLM answer: the options of a stream the request did not ask for.
+                raise HttpError(400, "stream_options is only allowed with stream=true", "stream_options")
+            include_usage = body_field(stream_options, "include_usage", (bool,), False)
         except HttpError as error:      # refused before the service saw it: count it there
             self.service.reject("invalid", request[REQUEST_ID], error.message)
             raise

@@ -220,6 +220,8 @@ def test_extra_sampling_fields_accepted(router, model):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
                               "top_logprobs": 21}, 400, "top_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("/tokenize", {}, 400, "prompt"),
     ("/tokenize", {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}, 400, "prompt"),
 ])
@@ -229,6 +231,13 @@ def test_a_refused_request_gets_an_openai_error_naming_its_field_and_the_server_
     r = post(router, path, {"model": model, "max_tokens": 2} | body)
     assert r.status_code == status and r.json()["error"]["param"] == param, r.text
     assert post(router, "/v1/completions", {"model": model, "prompt": PROMPT, "max_tokens": 2}).status_code == 200
+
+
+def test_stream_options_of_null_or_empty_are_accepted_without_a_stream(router, model):
+    for options in (None, {}):
+        r = post(router, "/v1/completions", {"model": model, "prompt": PROMPT, "max_tokens": 2,
+                                             "stream_options": options})
+        assert r.status_code == 200, r.text
 
 
 def test_chat_without_max_tokens_is_not_cut_at_16_tokens(client, model):
