@@ -1,6 +1,6 @@
 """Decode attention over a float8 KV pool against a bfloat16 one, on the 8B shape (32 query
 heads, 8 KV heads, head dim 128), one GPU: the default (128-key tiles, float16 queries) and a
-sweep of tile shapes, split counts and warps, each timed in CUDA-graph replays (kernels_bench's
+sweep of tile shapes, split counts, pipeline stages and warps, each timed in CUDA-graph replays (kernels_bench's
 timer). The 2026-12-01 runs in docs/BENCHMARKS.md had also query-dtype and tile variants that are
 the default since.
 `tbps` is the bytes of K/V the kernel must read over its time; `vs_bf16`, its time over the
@@ -37,6 +37,9 @@ def main() -> None:
         ref = paged_attention_triton(**b).float()
         for name, q, cfg in [("fp8 default", b["q"], AttentionConfig()),
                              ("fp8 2x splits", b["q"], AttentionConfig(num_splits=2 * decode_splits(num_seqs, KV_HEADS, ctx, 128, torch.device("cuda"))[0])),
+                             ("fp8 4x splits", b["q"], AttentionConfig(num_splits=4 * decode_splits(num_seqs, KV_HEADS, ctx, 128, torch.device("cuda"))[0])),
+                             ("fp8 s2", b["q"], AttentionConfig(decode_num_stages=2)),
+                             ("fp8 n256", b["q"], AttentionConfig(decode_block_n=256)),
                              ("fp8 n64", b["q"], AttentionConfig(decode_block_n=64)),
                              ("fp8 s4", b["q"], AttentionConfig(decode_num_stages=4)),
                              ("fp8 w8", b["q"], AttentionConfig(decode_num_warps=8)),
