@@ -354,13 +354,13 @@ def test_admitted_event_reported_once(make_engine, ids):
 
 
 def shared_prefix_workload(seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
-    """24 requests for a 3-block pool, most sharing a prefix of 1-2 blocks: prefix-cache hits
+    """16 requests for a 3-block pool, most sharing a prefix of 1-2 blocks: prefix-cache hits
     for requests that must wait."""
     import random
     rng = random.Random(seed)
     prefix = [rng.randrange(1000, 40000) for _ in range(32)]
     prompts = [prefix[:rng.choice([0, 16, 20, 32])] + [rng.randrange(1000, 40000) for _ in range(rng.randrange(1, 12))]
-               for _ in range(24)]
+               for _ in range(16)]
     return prompts, [greedy(rng.randrange(1, 48 - len(p)), ignore_eos=True) for p in prompts]
 
 
