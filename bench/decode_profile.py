@@ -75,6 +75,12 @@ def profile_steps(engine: LLMEngine, steps: int, trace_path: Path | None) -> dic
         engine.step()
     if trace_path is not None:
         prof.export_chrome_trace(str(trace_path))
+    return kernel_summary(prof, steps, wall)
+
+
+def kernel_summary(prof, steps: int, wall: float) -> dict:
+    """A profile's GPU busy and idle time per step (of `steps` over `wall` seconds), and each
+    kernel's (and copy's) launches and time per step, longest first."""
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     intervals = [(e.time_range.start, e.time_range.end) for e in kernels]
     per_name: dict[str, list[float]] = defaultdict(list)

@@ -24,7 +24,7 @@ from common.sampling_params import SamplingParams  # noqa: E402
 from worker.config import EngineConfig  # noqa: E402
 from worker.engine import LLMEngine  # noqa: E402
 from worker.models.loader import PRESETS  # noqa: E402
-from decode_profile import profile_steps  # noqa: E402
+from decode_profile import kernel_summary, profile_steps  # noqa: E402
 from report import current_commit  # noqa: E402
 from workloads import w1_requests  # noqa: E402
 
@@ -68,6 +68,23 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> 
             "steps": engine.num_steps - steps0, "first_token_s": first_token}
 
 
+def profile_w1(engine: LLMEngine) -> dict:
+    """W1 once more under the profiler: each kernel's time per engine step over the whole run
+    (prefill and decode steps together), printed as ms over the run, longest first."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run = run_engine(engine, w1_requests(), 256)
+        torch.cuda.synchronize()
+    summary = kernel_summary(prof, run["steps"], run["seconds"])
+    log(f"W1 profiled: {run['output_tokens_per_s']:.0f} out tok/s under the profiler, {run['steps']} steps, "
+        f"GPU busy {summary['gpu_busy_ms_per_step'] * run['steps']:.0f} of {run['seconds'] * 1e3:.0f} ms")
+    for row in summary["kernels"][:30]:
+        print(f"{row['us_per_step'] * run['steps'] / 1e3:9.1f} ms {row['launches_per_step'] * run['steps']:8.0f}x  "
+              f"{row['name']}", flush=True)
+    return {"run": run, **summary}
+
+
 def bench_engine(args) -> dict:
     engine = LLMEngine(EngineConfig(model=args.model, load_format="dummy", dtype="bfloat16",
                                     max_model_len=4096, max_num_seqs=args.max_num_seqs,
@@ -92,6 +109,8 @@ def bench_engine(args) -> dict:
         log(f"W1 engine{suffix}", json.dumps(w1))
     if args.profile:
         out["w2_profile"] = profile_steps(engine, steps=24, trace_path=None)
+    if args.profile_w1:
+        out["w1_profile"] = profile_w1(engine)
 
     # W4: the paged pool's KV bytes for 256 requests of 32..2048 tokens, at the moment all are
     # resident, against a contiguous cache padded to the longest request.
@@ -171,6 +190,8 @@ def main() -> None:
     parser.add_argument("--skip-peer", action="store_true")
     parser.add_argument("--profile", action="store_true",
                         help="profile W2 decode steps (bench/decode_profile.py's kernel table)")
+    parser.add_argument("--profile-w1", action="store_true",
+                        help="profile one more W1 run: each kernel's time over it")
     parser.add_argument("--compare-sync", action="store_true",
                         help="also run W1 and W2 with asynchronous scheduling off")
     parser.add_argument("--peer-w1-requests", type=int, default=64,

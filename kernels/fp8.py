@@ -14,7 +14,11 @@
 * Larger M (prefill): W8A8. Each row of the activations is quantized with its own scale
   (amax / 448, one fused Triton kernel) and multiplied with cuBLAS' FP8 GEMM
   (`torch._scaled_mm`, rowwise scaling), where FP8 tensor cores' doubled rate pays.
-  Reference: `fp8_linear_ref`.
+  Reference: `fp8_linear_ref`. The kernel that makes the activations can quantize them as it
+  writes them instead (`Fp8Activation`: the RMSNorm and SiLU-and-mul kernels do, when
+  `w8a8_applies` says the linear after them will run W8A8): on W1 with FP8 weights the separate
+  quantization was 6 % of the GPU's time, and the bf16 tensor it reads back is written for it
+  alone.
 
 On the CPU `fp8_linear` is `fp8_linear_ref` (W8A8, emulated in fp32) at every M. None of
 these read anything back to the host, so all can be captured in a CUDA graph.
@@ -29,6 +33,8 @@ scaled GEMM (`F.scaled_mm`, `BlockWise1x128` x `BlockWise128x128`): probed on th
 needs the 128 x 128 scale layout, which q/k/v packing breaks where a part's rows are not a
 multiple of 128.
 """
+
+from dataclasses import dataclass
 
 import torch
 
@@ -52,6 +58,37 @@ def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = (x.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
     # Clamped before the cast: float8_e4m3fn has no infinity, an out-of-range value becomes NaN.
     return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+@dataclass(frozen=True)
+class Fp8Activation:
+    """Activations quantized per token for a W8A8 linear, by the kernel that computed them:
+    what `per_token_quant` would make of the `dtype` tensor it stands for (`values` float8
+    `[M, K]`, `scale` fp32 `[M, 1]`). `fp8_linear` multiplies it as it is."""
+
+    values: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, x: torch.Tensor) -> "Fp8Activation":
+        """`x` quantized per token (`x [..., K]`: values keep its shape)."""
+        q, scale = per_token_quant(x.reshape(-1, x.shape[-1]))
+        return cls(q.view(x.shape), scale, x.dtype)
+
+
+def w8a8_applies(rows: int, dtype: torch.dtype, device: torch.device, weight: torch.Tensor) -> bool:
+    """Whether `fp8_linear` of `rows` activations of `dtype` on `device` with this float8
+    `weight [N, K]` quantizes them per token for cuBLAS' FP8 GEMM (so it would take them
+    quantized already: `Fp8Activation`). Shapes only: no host sync."""
+    n, k = weight.shape
+    if device.type != "cuda" or rows == 0 or n % SCALED_MM_ALIGNMENT or k % SCALED_MM_ALIGNMENT:
+        return False
+    return not _w8a16_applies(rows, dtype, weight)
+
+
+def _w8a16_applies(rows: int, dtype: torch.dtype, weight: torch.Tensor) -> bool:
+    return rows <= W8A16_MAX_M and dtype in W8A16_DTYPES and weight.stride(-1) == 1
 
 
 def per_token_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,20 +154,23 @@ def fp8_grouped_weight_only_ref(x: torch.Tensor, weight: torch.Tensor, weight_sc
     return fp8_weight_only_ref(x, full, torch.ones(full.shape[0], device=full.device), bias, out_dtype or x.dtype)
 
 
-def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+def fp8_linear_ref(x: "torch.Tensor | Fp8Activation", weight: torch.Tensor, weight_scale: torch.Tensor,
                    bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """`x [..., K] @ (weight [N, K] * weight_scale [N]).T + bias` with `x` quantized per token.
+    """`x [..., K] @ (weight [N, K] * weight_scale [N]).T + bias` with `x` quantized per token
+    (here, or as it comes: `Fp8Activation`).
 
     The products of the quantized values are summed in fp32 and scaled afterwards, as the FP8
     GEMM does: `(x_q * sa) @ (w_q * sb).T == (x_q @ w_q.T) * sa * sb.T`.
     """
+    if isinstance(x, Fp8Activation):
+        lead, x_q, x_scale = x.values.shape[:-1], x.values.reshape(-1, weight.shape[1]), x.scale
+    else:
+        lead, (x_q, x_scale) = x.shape[:-1], per_token_quant_ref(x.reshape(-1, x.shape[-1]))
     out_dtype = out_dtype or x.dtype
-    x2 = x.reshape(-1, x.shape[-1])
-    x_q, x_scale = per_token_quant_ref(x2)
     out = (x_q.float() @ weight.float().t()) * x_scale * weight_scale.float().view(1, -1)
     if bias is not None:
         out = out + bias.float()
-    return out.to(out_dtype).view(*x.shape[:-1], weight.shape[0])
+    return out.to(out_dtype).view(*lead, weight.shape[0])
 
 
 def fp8_weight_only_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -146,13 +186,16 @@ def fp8_weight_only_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
     return out.to(out_dtype).view(*x.shape[:-1], weight.shape[0])
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+def fp8_linear(x: "torch.Tensor | Fp8Activation", weight: torch.Tensor, weight_scale: torch.Tensor,
                bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """FP8-weight linear: `weight` float8 `[N, K]` row-major (so `weight.t()` is the
     column-major operand `_scaled_mm` needs), `weight_scale` fp32 `[N]`; output in
     `out_dtype` (default: `x`'s). On CUDA, W8A16 for up to `W8A16_MAX_M` rows (meaning:
     `fp8_weight_only_ref`), W8A8 above (meaning: `fp8_linear_ref`); see the module
-    docstring. The choice depends on the shape alone (no host sync)."""
+    docstring. The choice depends on the shape alone (no host sync). `x` may come quantized
+    (`Fp8Activation`, where `w8a8_applies`): the W8A8 product without quantizing it again."""
+    if isinstance(x, Fp8Activation):
+        return fp8_linear_w8a8(x, weight, weight_scale, bias, out_dtype)
     n, k = weight.shape
     if not x.is_cuda:
         return fp8_linear_ref(x, weight, weight_scale, bias, out_dtype)
@@ -161,7 +204,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     m = x2.shape[0]
     if m == 0:    # older torch's rowwise kernel refuses M=0 (a shape: no host sync)
         return x.new_empty(*x.shape[:-1], n, dtype=out_dtype)
-    if m <= W8A16_MAX_M and x.dtype in W8A16_DTYPES and weight.stride(-1) == 1:
+    if _w8a16_applies(m, x.dtype, weight):
         from kernels.triton_fp8 import fp8_weight_only_triton   # Triton only where it runs
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
@@ -171,26 +214,31 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     return fp8_linear_w8a8(x, weight, weight_scale, bias, out_dtype)
 
 
-def fp8_linear_w8a8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+def fp8_linear_w8a8(x: "torch.Tensor | Fp8Activation", weight: torch.Tensor, weight_scale: torch.Tensor,
                     bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
                     ) -> torch.Tensor:
-    """`fp8_linear`'s large-M path at any M: per-token quantization and `_scaled_mm` on CUDA
-    (the reference where cuBLAS cannot take the shape or the device is not CUDA)."""
+    """`fp8_linear`'s large-M path at any M: per-token quantization (unless `x` comes
+    quantized) and `_scaled_mm` on CUDA (the reference where cuBLAS cannot take the shape or
+    the device is not CUDA)."""
     n, k = weight.shape
-    if not x.is_cuda or n % SCALED_MM_ALIGNMENT or k % SCALED_MM_ALIGNMENT:
+    values = x.values if isinstance(x, Fp8Activation) else x
+    if not values.is_cuda or n % SCALED_MM_ALIGNMENT or k % SCALED_MM_ALIGNMENT:
         return fp8_linear_ref(x, weight, weight_scale, bias, out_dtype)
     out_dtype = out_dtype or x.dtype
-    x2 = x.reshape(-1, k)
-    if x2.shape[0] == 0:    # older torch's rowwise kernel refuses M=0 (a shape: no host sync)
-        return x.new_empty(*x.shape[:-1], n, dtype=out_dtype)
-    x_q, x_scale = per_token_quant(x2)
+    lead = values.shape[:-1]
+    if values.numel() == 0:    # older torch's rowwise kernel refuses M=0 (a shape: no host sync)
+        return values.new_empty(*lead, n, dtype=out_dtype)
+    if isinstance(x, Fp8Activation):
+        x_q, x_scale = values.reshape(-1, k), x.scale
+    else:
+        x_q, x_scale = per_token_quant(values.reshape(-1, k))
     # bfloat16 is the one output every torch version and GPU gives rowwise scaling (fp16 and
     # fp32 only some: fp32 needs cuBLAS >= 12.9 on sm90); another dtype is cast from it.
     out = torch._scaled_mm(x_q, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1),
                            out_dtype=torch.bfloat16).to(out_dtype)
     if bias is not None:
         out = out + bias.to(out_dtype)
-    return out.view(*x.shape[:-1], n)
+    return out.view(*lead, n)
 
 
 def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group: int,

@@ -1,7 +1,8 @@
 """Triton kernels of the FP8 linears (`kernels.fp8`).
 
 * `per_token_quant_triton` (meaning: `kernels.fp8.per_token_quant_ref`): one program per
-  row: the row's amax, then the row scaled, clamped and cast, in one launch. The unfused
+  row: the row's amax, then the row scaled, clamped and cast, in one launch (`quantize_row`,
+  which the kernels that make a W8A8 linear's input call to write it quantized). The unfused
   PyTorch form is seven kernels (upcast, abs, amax, divide, clamp, divide, clamp, cast) per
   linear layer: at batch 1 an 8B model runs 128 of them per token, and in a CUDA graph their
   launches alone cost more than the FP8 GEMM saves.
@@ -41,23 +42,53 @@ from kernels.triton_split_k import TileConfig, num_sms, pick_split, split_k_coun
 
 
 @triton.jit
+def _quantized(v, s, FP8_MAX: tl.constexpr):
+    # div_rn: the correctly rounded division the reference does (Triton's `/` on fp32 is an
+    # approximation), so both give the same float8 values.
+    return tl.minimum(tl.maximum(tl.math.div_rn(v, s), -FP8_MAX), FP8_MAX)
+
+
+# The Triton type of each activation dtype: a kernel that quantizes its result rounds it to
+# this first, as the tensor it stands for would be stored.
+TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+@triton.jit
+def quantize_row(out_row, scale_ptr, v, cols, mask, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
+    """A whole row `v` (fp32 in registers, 0 where masked) quantized as `per_token_quant_ref`
+    does: its scale, amax / 448 floored at MIN_SCALE, stored at `scale_ptr`; the float8 values
+    at `out_row + cols`. For kernels that compute a W8A8 linear's input (`kernels.triton_norm`,
+    `kernels.triton_activation`) and this file's quantization."""
+    s = tl.maximum(tl.max(tl.abs(v), axis=0) / FP8_MAX, MIN_SCALE)
+    tl.store(scale_ptr, s)
+    tl.store(out_row + cols, _quantized(v, s, FP8_MAX).to(out_row.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _per_token_quant_kernel(out, scale, x, stride_x, stride_o, k, FP8_MAX: tl.constexpr,
-                            MIN_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+                            MIN_SCALE: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    amax = tl.zeros([BLOCK], dtype=tl.float32)
-    for start in range(0, k, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
+    if ONE_PASS:    # the row fits one block: read once, kept in registers
+        cols = tl.arange(0, BLOCK)
         v = tl.load(x + row * stride_x + cols, mask=cols < k, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(v))
-    s = tl.maximum(tl.max(amax, axis=0) / FP8_MAX, MIN_SCALE)
-    tl.store(scale + row, s)
-    for start in range(0, k, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        v = tl.load(x + row * stride_x + cols, mask=cols < k, other=0.0).to(tl.float32)
-        # div_rn: the correctly rounded division the reference does (Triton's `/` on fp32
-        # is an approximation), so both give the same float8 values.
-        q = tl.minimum(tl.maximum(tl.math.div_rn(v, s), -FP8_MAX), FP8_MAX)
-        tl.store(out + row * stride_o + cols, q.to(out.dtype.element_ty), mask=cols < k)
+        quantize_row(out + row * stride_o, scale + row, v, cols, cols < k, FP8_MAX, MIN_SCALE)
+    else:
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, k, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            v = tl.load(x + row * stride_x + cols, mask=cols < k, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(v))
+        s = tl.maximum(tl.max(amax, axis=0) / FP8_MAX, MIN_SCALE)
+        tl.store(scale + row, s)
+        for start in range(0, k, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            v = tl.load(x + row * stride_x + cols, mask=cols < k, other=0.0).to(tl.float32)
+            tl.store(out + row * stride_o + cols, _quantized(v, s, FP8_MAX).to(out.dtype.element_ty),
+                     mask=cols < k)
+
+
+# Rows up to this long are quantized from registers, read once; longer ones in two passes.
+_ONE_PASS_MAX = 16384
 
 
 def per_token_quant_triton(x: torch.Tensor, dtype: torch.dtype, fp8_max: float, min_scale: float
@@ -69,8 +100,11 @@ def per_token_quant_triton(x: torch.Tensor, dtype: torch.dtype, fp8_max: float, 
     out = torch.empty((m, k), dtype=dtype, device=x.device)
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     if m:
+        one_pass = triton.next_power_of_2(k) <= _ONE_PASS_MAX
+        block = triton.next_power_of_2(k) if one_pass else 1024
         _per_token_quant_kernel[(m,)](out, scale, x, x.stride(0), out.stride(0), k, FP8_MAX=fp8_max,
-                                      MIN_SCALE=min_scale, BLOCK=min(1024, triton.next_power_of_2(k)))
+                                      MIN_SCALE=min_scale, BLOCK=block, ONE_PASS=one_pass,
+                                      num_warps=min(max(block // 512, 1), 16) if one_pass else 4)
     return out, scale
 
 

@@ -40,6 +40,7 @@ from kernels.fp8 import (
     FP8_DTYPE,
     FP8_MAX,
     W8A16_MAX_M,
+    Fp8Activation,
     dequantize_blocks,
     fp8_linear,
     fp8_linear_ref,
@@ -48,6 +49,7 @@ from kernels.fp8 import (
     per_channel_quant,
     per_token_quant,
     per_token_quant_ref,
+    w8a8_applies,
 )
 from worker.config import EngineConfig
 from worker.engine import LLMEngine
@@ -125,6 +127,28 @@ def test_fp8_linear_keeps_leading_dimensions_zero_tokens_and_the_output_dtype():
     assert fp8_linear(randn(2, 5, 32), w_q, w_scale).shape == (2, 5, 48)
     assert fp8_linear(torch.empty(0, 32), w_q, w_scale).shape == (0, 48)
     assert fp8_linear(randn(3, 32).bfloat16(), w_q, w_scale).dtype == torch.bfloat16
+
+
+def test_w8a8_applies_on_cuda_past_the_w8a16_rows_to_shapes_cublas_takes():
+    """Shapes only (no GPU needed): the rows `fp8_linear` gives W8A16 and the CPU's emulation
+    never take a quantized input; nor does a shape cuBLAS' FP8 GEMM refuses."""
+    cuda, weight = torch.device("cuda"), torch.zeros(64, 128, dtype=FP8_DTYPE)
+    assert w8a8_applies(W8A16_MAX_M + 1, torch.bfloat16, cuda, weight)
+    assert not w8a8_applies(W8A16_MAX_M, torch.bfloat16, cuda, weight)
+    assert not w8a8_applies(0, torch.bfloat16, cuda, weight)
+    assert not w8a8_applies(W8A16_MAX_M + 1, torch.bfloat16, CPU, weight)
+    assert not w8a8_applies(W8A16_MAX_M + 1, torch.bfloat16, cuda, torch.zeros(64, 120, dtype=FP8_DTYPE))
+
+
+def test_fp8_linear_takes_activations_quantized_already_as_it_would_quantize_them():
+    x, w, bias = randn(3, 5, 64, seed=1), randn(48, 64, seed=2), randn(48, seed=3)
+    w_q, w_scale = per_channel_quant(w)
+    quantized = Fp8Activation.of(x)
+    assert quantized.values.shape == x.shape and quantized.scale.shape == (15, 1)
+    for fn in (fp8_linear, fp8_linear_ref, fp8_linear_w8a8):
+        out = fn(quantized, w_q, w_scale, bias)
+        assert out.shape == (3, 5, 48) and out.dtype == x.dtype
+        assert torch.equal(out, fp8_linear_ref(x, w_q, w_scale, bias))
 
 
 def test_dequantize_blocks_scales_each_block_including_partial_ones():
@@ -259,10 +283,11 @@ def test_w8a16_path_matches_the_weight_only_ref_on_cuda(dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,k", [(1, 4096), (7, 200), (130, 14336), (0, 64)])
+@pytest.mark.parametrize("m,k", [(1, 4096), (7, 200), (130, 14336), (0, 64), (5, 20000)])
 def test_fused_per_token_quant_on_cuda_equals_the_reference(m, k):
-    """The one-kernel Triton quantization: the same scales and float8 values, bit for bit.
-    (Not checked in Triton's interpreter, which truncates where the GPU rounds to nearest.)"""
+    """The one-kernel Triton quantization: the same scales and float8 values, bit for bit, for
+    rows read once (up to 16,384) and rows read twice (20,000). (Not checked in Triton's
+    interpreter, which truncates where the GPU rounds to nearest.)"""
     x = (randn(m, k, seed=4) * 3).bfloat16().cuda()
     if m:
         x[0] = 0                      # an all-zero row (CUDA-graph padding) takes the floor scale
@@ -315,6 +340,34 @@ def test_fp8_linears_of_a_layer_replay_in_a_cuda_graph_captured_first(m, monkeyp
 
 
 # ------------------------------------------------------------------------------ settings and devices
+
+@pytest.mark.gpu
+def test_fp8_linear_inputs_quantized_by_the_kernels_before_them_change_no_logit(tmp_path, monkeypatch):
+    """A 64-token prompt, so every decoder linear runs W8A8, through a small random Llama
+    quantized on load, eager: the RMSNorms and the SiLU-and-mul write three of each layer's
+    four linear inputs quantized (only o_proj's input is quantized apart), and with that turned
+    off every input is quantized apart; the logits are the same bit for bit."""
+    from helpers import save_tiny_llama
+
+    from kernels import fp8
+    from worker.models import llama
+
+    save_tiny_llama(tmp_path, layers=3)
+    engine = LLMEngine(EngineConfig(model=str(tmp_path), device="cuda", dtype="bfloat16", num_blocks=64,
+                                    quantization="fp8", enforce_eager=True))
+    ids = torch.randint(0, 512, (64,), generator=torch.Generator().manual_seed(0)).tolist()
+    apart = []
+    quantize = fp8.per_token_quant
+    monkeypatch.setattr(fp8, "per_token_quant", lambda x: apart.append(x.shape) or quantize(x))
+    fused = engine.prompt_logits(ids)
+    assert len(apart) == 3
+    apart.clear()
+    monkeypatch.setattr(llama, "writes_quantized", lambda consumer, x: False)
+    unfused = engine.prompt_logits(ids)
+    assert len(apart) == 4 * 3
+    assert torch.equal(fused, unfused)
+    engine.close()
+
 
 def test_unknown_quantization_is_refused_naming_the_allowed_values():
     with pytest.raises(ValueError, match="quantization='int4' is not supported: use one of none, fp8, int8, gptq, awq, "

@@ -19,6 +19,7 @@ from kernels.cache import (
     swap_blocks,
     write_kv_ref,
 )
+from kernels.fp8 import FP8_DTYPE, Fp8Activation, per_token_quant, per_token_quant_ref
 from kernels.norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
 from kernels.rotary import apply_rotary_and_write_kv, apply_rotary_ref, build_cos_sin_cache
 
@@ -688,6 +689,84 @@ def test_gpu_norms(dtype, hidden):
     for got, want in zip(fused_add_rms_norm(x, residual.float(), weight, 1e-6),
                          fused_add_rms_norm_ref(x, residual.float(), weight, 1e-6)):
         torch.testing.assert_close(got, want, **GPU_ELEMENTWISE_TOL[torch.float32])
+
+
+def assert_quantized_as(got: Fp8Activation, stored: torch.Tensor, quantize=per_token_quant) -> None:
+    """`got` is `stored` quantized per token by `quantize`, bit for bit: scales and float8
+    values; the scales are the reference's on the same device too (they involve no float8
+    cast; torch's division by a scalar differs between the CPU and CUDA in the last bit).
+    float32 on CUDA is held to less: the fused kernel's row differs from the plain kernel's
+    stored one in the last bits of some rows (measured on an H100), so the scales agree to a
+    few float32 ulps and the values to one float8 step."""
+    rows = stored.reshape(-1, stored.shape[-1])
+    want_values, want_scale = quantize(rows)
+    assert got.values.dtype == FP8_DTYPE and got.values.shape == stored.shape and got.dtype == stored.dtype
+    values = got.values.reshape(want_values.shape)
+    if stored.dtype == torch.float32 and stored.is_cuda:
+        torch.testing.assert_close(got.scale, want_scale, rtol=1e-6, atol=0)
+        step = torch.maximum(want_values.float().abs() / 8, torch.tensor(2.0 ** -9, device=stored.device))
+        assert ((values.float() - want_values.float()).abs() <= step).all()
+        return
+    assert torch.equal(got.scale, want_scale) and torch.equal(got.scale, per_token_quant_ref(rows)[1])
+    assert torch.equal(values.view(torch.uint8), want_values.view(torch.uint8))
+
+
+def test_norms_and_silu_quantize_their_result_on_the_cpu_as_per_token_quant():
+    x, residual, weight = torch.randn(2, 3, 64), torch.randn(2, 3, 64), torch.randn(64)
+    assert_quantized_as(rms_norm(x, weight, 1e-5, quantize=True), rms_norm(x, weight, 1e-5))
+    got, summed = fused_add_rms_norm(x, residual, weight, 1e-5, quantize=True)
+    want, want_summed = fused_add_rms_norm(x, residual, weight, 1e-5)
+    assert_quantized_as(got, want)
+    assert torch.equal(summed, want_summed)
+    gate_up = torch.randn(5, 128)
+    assert_quantized_as(silu_and_mul(gate_up, quantize=True), silu_and_mul(gate_up))
+
+
+@interpreter_only
+@pytest.mark.parametrize("dtype", INTERP_DTYPES, ids=str)
+def test_interp_elementwise_quantized_as_per_token_quant_of_their_result(dtype):
+    """The norm and SiLU-and-mul kernels that write a W8A8 linear's input quantized: each
+    row's scale and values as the quantization kernel makes of what they write unquantized
+    (ragged widths: masked lanes must not count in a row's amax)."""
+    from kernels.fp8 import FP8_MAX, MIN_SCALE
+    from kernels.triton_activation import silu_and_mul_triton
+    from kernels.triton_fp8 import per_token_quant_triton
+    from kernels.triton_norm import fused_add_rms_norm_triton, rms_norm_triton
+
+    def quantize(t):    # the interpreter's float8 cast on both sides (it is not torch's)
+        return per_token_quant_triton(t, FP8_DTYPE, FP8_MAX, MIN_SCALE)
+
+    x, residual = torch.randn(2, 3, 576).to(dtype) * 4, torch.randn(2, 3, 576).to(dtype)
+    weight = torch.randn(576).to(dtype)
+    assert_quantized_as(rms_norm_triton(x, weight, 1e-5, quantize=True), rms_norm_triton(x, weight, 1e-5), quantize)
+    got, summed = fused_add_rms_norm_triton(x, residual, weight, 1e-5, quantize=True)
+    want, want_summed = fused_add_rms_norm_triton(x, residual, weight, 1e-5)
+    assert_quantized_as(got, want, quantize)
+    assert torch.equal(summed, want_summed)
+    gate_up = -torch.rand(4, 3, 2 * 1500).to(dtype)     # negative gates: the amax is not at a masked lane's 0
+    assert_quantized_as(silu_and_mul_triton(gate_up, quantize=True), silu_and_mul_triton(gate_up), quantize)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("hidden,width", [(576, 1536), (4096, 14336), (5120, 100)])
+def test_gpu_norms_and_silu_write_what_per_token_quant_makes_of_their_result(dtype, hidden, width):
+    """Bit for bit in 16-bit dtypes (float32: `assert_quantized_as`): quantizing in the norm or
+    activation kernel changes no value and no scale, the residual sum included; an all-zero
+    row takes the floor scale."""
+    rng = torch.Generator().manual_seed(hidden)
+    x = torch.randn(37, hidden, generator=rng).to(dtype).cuda()
+    x[3] = 0
+    residual = torch.randn(37, hidden, generator=rng).to(dtype).cuda()
+    weight = (1 + 0.1 * torch.randn(hidden, generator=rng)).to(dtype).cuda()
+    assert_quantized_as(rms_norm(x, weight, 1e-6, quantize=True), rms_norm(x, weight, 1e-6))
+    got, summed = fused_add_rms_norm(x, residual, weight, 1e-6, quantize=True)
+    want, want_summed = fused_add_rms_norm(x, residual, weight, 1e-6)
+    assert_quantized_as(got, want)
+    assert torch.equal(summed, want_summed)
+    gate_up = torch.randn(65, 2 * width, generator=rng).to(dtype).cuda()
+    gate_up[7] = 0
+    assert_quantized_as(silu_and_mul(gate_up, quantize=True), silu_and_mul(gate_up))
 
 
 @pytest.mark.gpu

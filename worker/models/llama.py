@@ -7,7 +7,9 @@ packed on load: q/k/v into one projection, gate/up into another. Under tensor pa
 rows and of the vocabulary, and reads only that slice of each checkpoint tensor. The decoder's
 linear layers come from a factory: `DenseLinear` (`nn.Linear` with a faster one-row path on a
 GPU), or a quantized class of `worker.models.quantization`, whose parameters load here like
-any other.
+any other. A linear that quantizes its input per token itself (`quantizes_input`: FP8 W8A8)
+gets it quantized by the kernel before it instead, the RMSNorm or the SiLU-and-mul
+(`writes_quantized`).
 """
 
 from collections.abc import Callable, Iterable
@@ -42,10 +44,19 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, quantize: bool = False):
+        """`(normed, residual)`; `normed` quantized per token (`Fp8Activation`) with `quantize`."""
         if residual is None:
-            return rms_norm(x, self.weight, self.eps), x
-        return fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return rms_norm(x, self.weight, self.eps, quantize), x
+        return fused_add_rms_norm(x, residual, self.weight, self.eps, quantize)
+
+
+def writes_quantized(consumer: nn.Module, x: torch.Tensor) -> bool:
+    """Whether the kernel making `consumer`'s input (of `x`'s rows, dtype and device) should
+    write it quantized per token: `consumer` would quantize it so itself (its
+    `quantizes_input`, which only `Fp8Linear` has), and one pass over the activations is saved."""
+    quantizes_input = getattr(consumer, "quantizes_input", None)
+    return quantizes_input is not None and quantizes_input(x)
 
 
 class VocabEmbedding(nn.Module):
@@ -125,7 +136,9 @@ class MLP(nn.Module):
         self.down_proj = linear(self.size, cfg.hidden_size, False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x))), self.shard)
+        gate_up = self.gate_up_proj(x)
+        act = silu_and_mul(gate_up, quantize=writes_quantized(self.down_proj, gate_up))
+        return all_reduce(self.down_proj(act), self.shard)
 
 
 class DecoderLayer(nn.Module):
@@ -137,9 +150,11 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg, shard, linear)
 
     def forward(self, positions, hidden, residual, cos_sin):
-        hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = self.input_layernorm(
+            hidden, residual, quantize=writes_quantized(self.self_attn.qkv_proj, hidden))
         hidden = self.self_attn(positions, hidden, cos_sin)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        hidden, residual = self.post_attention_layernorm(
+            hidden, residual, quantize=writes_quantized(self.mlp.gate_up_proj, hidden))
         return self.mlp(hidden), residual
 
 

@@ -43,7 +43,8 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 from torch import nn
 
-from kernels.fp8 import FP8_DTYPE, dequantize_blocks, fp8_grouped_linear, fp8_linear, group_quant, per_channel_quant
+from kernels.fp8 import (FP8_DTYPE, Fp8Activation, dequantize_blocks, fp8_grouped_linear, fp8_linear, group_quant,
+                         per_channel_quant, w8a8_applies)
 from kernels.int8 import int8_linear, per_channel_quant_int8
 from kernels.w4_weight import PACK, W4Weight
 from kernels.w4a16 import w4a16_matmul
@@ -99,8 +100,13 @@ class Fp8Linear(nn.Module):
         fp8.bias = linear.bias
         return fp8
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: "torch.Tensor | Fp8Activation") -> torch.Tensor:
         return fp8_linear(x, self.weight, self.weight_scale, self.bias)
+
+    def quantizes_input(self, x: torch.Tensor) -> bool:
+        """Whether an input of `x`'s rows, dtype and device is quantized per token (W8A8), so
+        the kernel that computes it may hand it over quantized (`Fp8Activation`)."""
+        return w8a8_applies(x.numel() // x.shape[-1], x.dtype, x.device, self.weight)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
