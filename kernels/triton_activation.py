@@ -13,7 +13,7 @@ import triton.language as tl
 
 from kernels.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE, Fp8Activation
 from kernels.pdl import launch_options, pdl_enabled, wait_for_predecessor
-from kernels.triton_fp8 import TL_DTYPES, quantize_row
+from kernels.triton_fp8 import quantize_row, tl_dtype
 
 
 @triton.jit
@@ -45,7 +45,7 @@ def silu_and_mul_triton(x: torch.Tensor, quantize: bool = False) -> "torch.Tenso
     if x2.shape[0]:
         pdl = pdl_enabled(x.device)
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](
-            out, scale, x2, x2.stride(0), out.stride(0), d, BLOCK=block, DTYPE=TL_DTYPES[x.dtype],
+            out, scale, x2, x2.stride(0), out.stride(0), d, BLOCK=block, DTYPE=tl_dtype(x.dtype),
             QUANT=quantize, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, PDL=pdl,
             num_warps=min(max(block // 512, 4), 16), **launch_options(pdl))
     out = out.view(*x.shape[:-1], d)

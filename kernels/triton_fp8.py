@@ -48,9 +48,10 @@ def _quantized(v, s, FP8_MAX: tl.constexpr):
     return tl.minimum(tl.maximum(tl.math.div_rn(v, s), -FP8_MAX), FP8_MAX)
 
 
-# The Triton type of each activation dtype: a kernel that quantizes its result rounds it to
-# this first, as the tensor it stands for would be stored.
-TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+def tl_dtype(dtype: torch.dtype) -> tl.dtype:
+    """The Triton type of a torch dtype (same name): a kernel that quantizes its result rounds
+    it to the activations' type first, as the tensor it stands for would be stored."""
+    return getattr(tl, str(dtype).removeprefix("torch."))
 
 
 @triton.jit

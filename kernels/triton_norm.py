@@ -16,7 +16,7 @@ import triton.language as tl
 
 from kernels.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE, Fp8Activation
 from kernels.pdl import launch_options, pdl_enabled, wait_for_predecessor
-from kernels.triton_fp8 import TL_DTYPES, quantize_row
+from kernels.triton_fp8 import quantize_row, tl_dtype
 
 
 @triton.jit
@@ -67,7 +67,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         _rms_norm_kernel[(x2.shape[0],)](
             out, res_out, scale, x2, r2, weight, x2.stride(0), r2.stride(0), out.stride(0),
             res_out.stride(0), n_cols, eps, ADD_RESIDUAL=residual is not None, BLOCK=block,
-            QUANT=quantize, OUT_DTYPE=TL_DTYPES[out_dtype], FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
+            QUANT=quantize, OUT_DTYPE=tl_dtype(out_dtype), FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
             PDL=pdl, num_warps=min(max(block // 512, 1), 8), **launch_options(pdl))
     normed = Fp8Activation(out.view(x.shape), scale, out_dtype) if quantize else out.view(x.shape)
     return normed, res_out.view(x.shape)

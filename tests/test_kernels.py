@@ -723,6 +723,18 @@ def test_norms_and_silu_quantize_their_result_on_the_cpu_as_per_token_quant():
 
 
 @interpreter_only
+def test_interp_elementwise_take_any_float_dtype_unquantized():
+    """float64 too: the rounding type the kernels are given is named after the torch dtype, not
+    looked up in a list of the serving dtypes."""
+    from kernels.triton_activation import silu_and_mul_triton
+    from kernels.triton_norm import rms_norm_triton
+
+    x, weight = torch.randn(3, 200, dtype=torch.float64), torch.rand(200, dtype=torch.float64)
+    torch.testing.assert_close(silu_and_mul_triton(x), silu_and_mul_ref(x))
+    torch.testing.assert_close(rms_norm_triton(x, weight, 1e-5), rms_norm_ref(x, weight, 1e-5))
+
+
+@interpreter_only
 @pytest.mark.parametrize("dtype", INTERP_DTYPES, ids=str)
 def test_interp_elementwise_quantized_as_per_token_quant_of_their_result(dtype):
     """The norm and SiLU-and-mul kernels that write a W8A8 linear's input quantized: each
