@@ -198,9 +198,10 @@ def main_table(args) -> None:
 def fp8_space():
     """(mode, block_m, block_n, block_k, num_warps, num_stages) per class of M (the kernels'
     modes: kernels/triton_fp8.py); the candidates left from the wider sweeps of
-    docs/BENCHMARKS.md."""
-    fma = [("fma", 1, bn, bk, w, s) for bn, bk, (w, s) in itertools.product(
-        (8, 16, 32), (256, 512, 1024), ((4, 3), (8, 3), (8, 4), (4, 1)))]
+    docs/BENCHMARKS.md. In the one-row "fma" mode num_stages is the depth of the K loop's
+    cp.async pipeline (1: none)."""
+    fma = [("fma", 1, bn, bk, w, s) for bn, bk, w, s in itertools.product(
+        (16, 32), (256, 512, 1024), (4, 8), (1, 2, 3, 4, 6))]
     small = [("dot", 16, 32, 256, 4, 3), ("dot", 16, 64, 128, 4, 3), ("dot", 16, 64, 128, 8, 4),
              ("dot_t", 16, 64, 128, 4, 3)]
     mid = [("dot", 32, 64, 256, 4, 3), ("dot", 32, 64, 128, 4, 3), ("dot_t", 32, 64, 128, 4, 3)]
@@ -208,10 +209,15 @@ def fp8_space():
     return fma + small + mid
 
 
+def bf16_space():
+    """The one-row GEMV of a 16-bit weight (`kernels.linear`: the FP8 kernel's "fma" mode)."""
+    return [("fma", 1, 16, bk, w, s) for bk, w, s in itertools.product((256, 512), (4, 8), (1, 2, 3, 4))]
+
+
 def w4_space():
-    fma = [("fma", 1, bn, bk, w, s) for bn, bk, (w, s) in itertools.product(
-        (64, 128, 256), (64, 128, 256), ((4, 1), (4, 3), (8, 3), (8, 4)))]
-    fma += [("fma", 1, bn, 512, w, s) for bn, (w, s) in itertools.product((32, 64), ((4, 3), (8, 3)))]
+    """As `fp8_space`; in "fma" mode num_stages 1 is the kernel's register prefetch."""
+    fma = [("fma", 1, bn, bk, w, s) for bn, bk, w, s in itertools.product(
+        (64, 128, 256), (64, 128), (4, 8), (1, 2, 3, 4))]
     small = [("dot", 16, bn, bk, w, s) for bn, bk, (w, s) in itertools.product(
         (64, 128), (64, 128), ((4, 3), (4, 4), (8, 3)))]
     mid = [("dot", 64, 128, 128, 4, 3), ("dot", 64, 64, 128, 4, 3), ("dot", 64, 128, 128, 8, 3)]
@@ -225,11 +231,11 @@ def _compile(job) -> str:
     kind, (mode, bm, bn, bk, warps, stages) = job
     m = 1 if bm == 1 else 3
     try:
-        if kind == "fp8":
+        if kind in ("fp8", "bf16"):
             from kernels.triton_fp8 import fp8_weight_only_triton
             from kernels.triton_split_k import TileConfig
-            w = torch.randn(256, 2048, device="cuda").to(torch.float8_e4m3fn)
-            s = torch.ones(256, device="cuda")
+            w = torch.randn(256, 2048, device="cuda").to(torch.float8_e4m3fn if kind == "fp8" else torch.bfloat16)
+            s = torch.ones(256, device="cuda") if kind == "fp8" else None
             x = torch.randn(m, 2048, device="cuda", dtype=torch.bfloat16)
             for split in (1, 2):
                 fp8_weight_only_triton(x, w, s, None, x.dtype,
@@ -254,6 +260,11 @@ def _fp8_with(cfg, x, w):
     return fp8_weight_only_triton(x, w[0], w[1], None, x.dtype, cfg)
 
 
+def _bf16_with(cfg, x, w):
+    from kernels.triton_fp8 import fp8_weight_only_triton
+    return fp8_weight_only_triton(x, w, None, None, x.dtype, cfg)
+
+
 def _w4_with(cfg, x, w):
     from kernels.triton_w4a16 import w4a16_matmul_triton
     return w4a16_matmul_triton(x, w, cfg)
@@ -265,6 +276,7 @@ def sweep(args) -> None:
     def wanted(kind, c):
         return kind in args.sweep_kinds and (not args.sweep_modes or c[0] in args.sweep_modes)
     spaces = {"fp8": [c for c in fp8_space() if wanted("fp8", c)],
+              "bf16": [c for c in bf16_space() if wanted("bf16", c)],
               "w4a16": [c for c in w4_space() if wanted("w4a16", c)]}
     jobs = [(kind, c) for kind, space in spaces.items() for c in space]
     start = time.time()
@@ -279,8 +291,9 @@ def sweep(args) -> None:
     for name, (k, n) in SHAPES.items():
         bf16 = (torch.randn(n, k, generator=g) * k ** -0.5).to(torch.bfloat16).cuda()
         fp8s = copies_of(per_channel_quant(bf16), False)
+        bf16s = copies_of(bf16, False)
         w4s = copies_of(w4_of(k, n, g), False)
-        for kind, space, ms_list in (("fp8", spaces["fp8"], (1, 16, 32, 64)),
+        for kind, space, ms_list in (("fp8", spaces["fp8"], (1, 16, 32, 64)), ("bf16", spaces["bf16"], (1,)),
                                      ("w4a16", spaces["w4a16"], (1, 16, 64, 256))):
             for m in ms_list:
                 if m not in args.sweep_ms or not space:
@@ -288,6 +301,8 @@ def sweep(args) -> None:
                 x = torch.randn(m, k, generator=g).to(torch.bfloat16).cuda()
                 if kind == "fp8":
                     ref = fp8_weight_only_ref(x, *fp8s[0])
+                elif kind == "bf16":
+                    ref = x @ bf16.T
                 else:
                     ref = w4a16_matmul_ref(x, w4s[0])
                 block_ms = {1: (1, 16), 16: (16,), 32: (32,), 64: (32, 64), 256: (64, 128)}[m]
@@ -299,12 +314,14 @@ def sweep(args) -> None:
                     for split in (1, 2, 3, 4, 6, 8, 16):
                         if split > 1 and tiles // split < 2:
                             continue
+                        cfg = TileConfig(bm, c[2], c[3], split, c[4], c[5], mode)
                         if kind == "fp8":
-                            cfg = TileConfig(bm, c[2], c[3], split, c[4], c[5], mode)
                             run = partial(_fp8_with, cfg)
                             ws = fp8s
+                        elif kind == "bf16":
+                            run = partial(_bf16_with, cfg)
+                            ws = bf16s
                         else:
-                            cfg = TileConfig(bm, c[2], c[3], split, c[4], c[5], mode)
                             run = partial(_w4_with, cfg)
                             ws = w4s
                         err = rel_error(run(x, ws[0]), ref)
@@ -322,7 +339,7 @@ def sweep(args) -> None:
                 print(f"{kind} {name} M={m}: best {best[(kind, name, m)]['config']} split "
                       f"{best[(kind, name, m)]['split']}: {best[(kind, name, m)]['us']:.1f} us "
                       f"({best[(kind, name, m)]['tb_per_s']:.2f} TB/s); bf16 {base * 1e3:.1f} us", flush=True)
-        del fp8s, w4s, bf16
+        del fp8s, bf16s, w4s, bf16
         torch.cuda.empty_cache()
     Path(args.out).write_text(json.dumps({"results": results,
                                           "best": [v for v in best.values()]}, indent=1))
@@ -349,7 +366,7 @@ def main() -> None:
     parser.add_argument("--l2-hot", action="store_true",
                         help="replay one copy of each weight (it may sit in L2) instead of rotating")
     parser.add_argument("--sweep", action="store_true", help="time the tile configs instead")
-    parser.add_argument("--sweep-kinds", nargs="+", default=["fp8", "w4a16"])
+    parser.add_argument("--sweep-kinds", nargs="+", default=["fp8", "bf16", "w4a16"])
     parser.add_argument("--sweep-modes", nargs="*", default=[], help="only these kernel modes")
     parser.add_argument("--sweep-ms", type=int, nargs="+", default=[1, 16, 32, 64, 256])
     args = parser.parse_args()

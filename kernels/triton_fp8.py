@@ -14,7 +14,8 @@
   scale, is the one-row GEMV of the unquantized linears (`kernels.linear`). One row (batch-1 decode,
   MODE "fma", `BLOCK_M` 1) runs on the FMA units, 16 weight rows per program, a
   [BLOCK_N, BLOCK_K] fp32 accumulator summed over K once at the end (the tensor cores'
-  16-row minimum would waste the conversion on padding); 2..32 rows take the tensor cores
+  16-row minimum would waste the conversion on padding), the K loop's weight tiles staged
+  through shared memory (cp.async, `num_stages` deep) to keep enough bytes in flight; 2..32 rows take the tensor cores
   (MODE "dot", x @ W^T; "dot_t", W @ x^T, for larger tiles). A skinny product is bound by
   the weight's bytes, so narrow column tiles and, where the columns give too few programs,
   K split into ranges keep enough loads in flight; the split partial sums are added by the
@@ -38,7 +39,7 @@ import triton
 import triton.language as tl
 
 from kernels.pdl import launch_options, pdl_enabled, wait_for_predecessor
-from kernels.triton_split_k import TileConfig, num_sms, pick_split, split_k_counters, split_k_reduce
+from kernels.triton_split_k import TileConfig, pick_split, split_k_counters, split_k_reduce
 
 
 @triton.jit
@@ -123,7 +124,7 @@ def _fp8_weight_only_kernel(out, partial, counters, x, w, w_scale, bias, M, N, K
                             HAS_SCALE: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
                             SPLIT: tl.constexpr, MODE: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+                            DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
     """MODE "dot": acc [M, N] += x [M, K] @ W^T [K, N] on the tensor cores; "dot_t": the same
     product transposed, W [N, K] @ x^T [K, M] (the wide weight tile the left operand);
     "fma": BLOCK_M == 1, no tensor cores: each weight multiplied into the one row of x on the
@@ -144,7 +145,9 @@ def _fp8_weight_only_kernel(out, partial, counters, x, w, w_scale, bias, M, N, K
 
     if MODE == "fma":
         acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for tile in range(first, last):
+        # tl.range's num_stages: these loads feed FMAs, not a dot, and Triton's pipeliner
+        # stages (cp.async through shared memory) only dot operands unless the loop asks.
+        for tile in tl.range(first, last, num_stages=STAGES):
             offs_k = tile * BLOCK_K + tl.arange(0, BLOCK_K)
             k_ok = offs_k < K
             a = tl.load(x_rows + offs_k, mask=k_ok & m_ok, other=0.0)
@@ -217,24 +220,19 @@ def pick_fp8_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.de
     """Tiles for an `[m, K] @ [N, K].T` weight-only product of a weight of `weight_bytes` per
     entry (scaled per `group` inputs, or 0: per channel); a function of python ints only.
 
-    Measured on one H200 for the Llama-3.1-8B decoder shapes, bf16 (`python
-    bench/quant_linears.py --sweep`): one row takes the FMA units, 16 weight rows per program
-    (K-tiles of 512 and 8 warps, K split to 2 programs per SM; K-tiles of 256, 4 warps, where
-    the columns alone give over 4 programs per SM); up to 16 rows a 16 x 32 tile on the tensor
-    cores, K split to 4 programs per SM; up to 32 rows 32 x 64, 3 per SM; more rows 64 x 64
+    Measured for the Llama-3.1-8B decoder shapes, bf16 (`python bench/quant_linears.py
+    --sweep`): one row takes the FMA units, 16 weight rows a program, K-tiles of 512 staged
+    4 deep through shared memory (`num_stages`, the K loop's cp.async pipeline), no split
+    (on an H100 the staging made split K slower at every shape, and the float8 kernel 9 %
+    faster over a layer than without it); 4 warps for a float8 weight, 8 for a 16-bit one
+    (`kernels.linear`). A grouped float8 weight's K-tiles are its group's (`group_block_k`),
+    and K is split to 2 programs per SM. Up to 16 rows a 16 x 32 tile on the tensor cores,
+    K split to 4 programs per SM (H200); up to 32 rows 32 x 64, 3 per SM; more rows 64 x 64
     (fp8_linear uses this kernel up to `kernels.fp8.W8A16_MAX_M` rows)."""
     wide = dtype == torch.float32
-    if m == 1 and weight_bytes == 2:
-        # A 16-bit weight (`kernels.linear`), measured the same way (.probe-style sweep, docs/
-        # BENCHMARKS.md): 8 warps, no split; K-tiles of 256 where the columns give 4 programs
-        # per SM, else 512. Faster than cuBLAS on qkv, o and gate_up, equal on down.
-        wide_n = triton.cdiv(n, 16) >= 4 * num_sms(device)
-        mode, block_m, block_n, block_k, warps, stages, per_sm = "fma", 1, 16, 256 if wide_n else 512, 8, 3, 1
-    elif m == 1:
-        if triton.cdiv(n, 16) >= 4 * num_sms(device):
-            mode, block_m, block_n, block_k, warps, stages, per_sm = "fma", 1, 16, 256, 4, 3, 1
-        else:
-            mode, block_m, block_n, block_k, warps, stages, per_sm = "fma", 1, 16, 512, 8, 3, 2
+    if m == 1:
+        warps = 8 if weight_bytes == 2 else 4
+        mode, block_m, block_n, block_k, stages, per_sm = "fma", 1, 16, 512, 4, 2 if group else 0
     elif m <= 16:
         mode, block_m, block_n, block_k, warps, stages, per_sm = "dot", 16, 32, 256, 4, 3, 4
     elif m <= 32:
@@ -292,7 +290,7 @@ def fp8_weight_only_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: 
         weight_scale.stride(0) if group else 0,
         HAS_SCALE=weight_scale is not None, GROUP=group, HAS_BIAS=bias is not None, SPLIT=split_k > 1,
         MODE=cfg.mode, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        DOT_PRECISION="tf32x3" if x.dtype == torch.float32 else "tf32", PDL=pdl,
+        DOT_PRECISION="tf32x3" if x.dtype == torch.float32 else "tf32", STAGES=cfg.num_stages, PDL=pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl))
     return out
 

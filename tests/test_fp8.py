@@ -283,6 +283,31 @@ def test_w8a16_path_matches_the_weight_only_ref_on_cuda(dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("weight_dtype", [torch.float8_e4m3fn, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("stages", [1, 2, 4])
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_one_row_gemv_with_its_k_loop_staged_matches_the_ref_on_cuda(split_k, stages, weight_dtype):
+    """The one-row kernel stages its K loop's weight tiles through shared memory `num_stages`
+    deep. K = 2100 with 512-wide tiles is 5 tiles, the last ragged; split in 3 ranges (2, 2, 1
+    tiles) a range is shorter than the pipeline, which must still load every tile once."""
+    from kernels.triton_fp8 import fp8_weight_only_triton
+    from kernels.triton_split_k import TileConfig
+
+    n, k = 136, 2100
+    x = randn(1, k, seed=stages).bfloat16().cuda()
+    w = randn(n, k, seed=split_k) * k ** -0.5
+    config = TileConfig(1, 16, 512, split_k, num_warps=4, num_stages=stages, mode="fma")
+    if weight_dtype == torch.bfloat16:
+        w16 = w.bfloat16().cuda()
+        out, ref = fp8_weight_only_triton(x, w16, None, None, x.dtype, config), x.float() @ w16.float().t()
+    else:
+        w_q, w_scale = (t.cuda() for t in per_channel_quant(w))
+        out = fp8_weight_only_triton(x, w_q, w_scale, None, x.dtype, config)
+        ref = fp8_weight_only_ref(x, w_q, w_scale).float()
+    torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("m,k", [(1, 4096), (7, 200), (130, 14336), (0, 64), (5, 20000)])
 def test_fused_per_token_quant_on_cuda_equals_the_reference(m, k):
     """The one-kernel Triton quantization: the same scales and float8 values, bit for bit, for
