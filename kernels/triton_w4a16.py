@@ -149,7 +149,7 @@ def _w4a16_kernel(out, partial, counters, x, qweight, scales, zeros, offsets, pe
         # Register prefetch: the next K-tile's words, zero points and scales are loaded
         # before this tile's arithmetic, so their latency overlaps it. Measured 5-15 % faster;
         # staging the loads through shared memory instead (`tl.range(num_stages=2..4)`, as
-        # the FP8 GEMV does) was 10-15 % slower than this (H100, docs/BENCHMARKS.md).
+        # the FP8 GEMV does) was 11 % or more slower in every tile (H100, docs/BENCHMARKS.md).
         words, z, s, o = _w4_tile(qweight, zeros, scales, offsets, first, offs_w, offs_n, n_ok,
                                   w_limit, max_group, group_size, stride_qk, stride_sg,
                                   stride_zg, stride_og, WORDS, BLOCK_K, BLOCK_N, TILE_GROUPS, HAS_OFFSET)
