@@ -282,6 +282,42 @@ def test_w8a16_path_matches_the_weight_only_ref_on_cuda(dtype):
                                            msg=lambda s, where=(n, k, m, b is None): f"{where}: {s}")
 
 
+def compiled_for_hopper_ptx(kernel, types: dict, constexprs: dict, num_warps: int) -> str:
+    """PTX of a Triton kernel compiled here for sm_90 (ptxas ships with Triton; no GPU used),
+    pointers, strides, N and K taken as multiples of 16 as the engine's tensors give them."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature, attrs = {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        signature[name] = "constexpr" if name in constexprs else types.get(name, "i32")
+        if signature[name].startswith("*") or name.startswith("stride") or name in ("N", "K"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "num_stages": constexprs["STAGES"]}).asm["ptx"]
+
+
+@pytest.mark.skipif(INTERPRETING, reason="compiles the kernel, which the interpreter does not")
+def test_one_row_gemv_compiled_for_hopper_stages_its_weight_loads_through_shared_memory():
+    """Triton's pipeliner stages loads that feed no dot only where the loop asks for it
+    (`tl.range(num_stages=...)`); a plain `range` compiles to no `cp.async` at any depth.
+    Compiled for sm_90: the one-row loop at 4 stages issues them, at 1 it does not."""
+    from kernels.triton_fp8 import _fp8_weight_only_kernel
+
+    types = dict(out="*bf16", partial="*fp32", counters="*i32", x="*bf16", w="*fp8e4nv",
+                 w_scale="*fp32", bias="*bf16")
+
+    def cp_async_count(stages):
+        constexprs = dict(HAS_SCALE=True, GROUP=0, HAS_BIAS=False, SPLIT=False, MODE="fma", BLOCK_M=1,
+                          BLOCK_N=16, BLOCK_K=512, DOT_PRECISION="tf32", STAGES=stages, PDL=False)
+        return compiled_for_hopper_ptx(_fp8_weight_only_kernel, types, constexprs, num_warps=4).count("cp.async.")
+
+    assert cp_async_count(4) > 0
+    assert cp_async_count(1) == 0
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("weight_dtype", [torch.float8_e4m3fn, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("stages", [1, 2, 4])
