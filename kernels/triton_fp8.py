@@ -16,9 +16,10 @@
   [BLOCK_N, BLOCK_K] fp32 accumulator summed over K once at the end (the tensor cores'
   16-row minimum would waste the conversion on padding), the K loop's weight tiles staged
   through shared memory (cp.async, `num_stages` deep) to keep enough bytes in flight; 2..32
-  rows take the tensor cores (MODE "dot", x @ W^T; "dot_t", W @ x^T, for larger tiles). A skinny product is bound by
-  the weight's bytes, so narrow column tiles and, where the columns give too few programs,
-  K split into ranges keep enough loads in flight; the split partial sums are added by the
+  rows take the tensor cores (MODE "dot", x @ W^T; "dot_t", W @ x^T, for larger tiles). A
+  skinny product is bound by the weight's bytes, so narrow column tiles and, where the
+  columns give too few programs, K split into ranges keep enough loads in flight; the split
+  partial sums are added by the
   last program of each output tile (`kernels.triton_split_k.split_k_reduce`: fixed order, no
   second launch). The constexprs are the mode and tile shapes (`pick_fp8_config`: classes
   of M 1, 2..16, 17..32, larger), `HAS_BIAS`, `SPLIT` and the dot precision; M and the K
