@@ -30,8 +30,11 @@ hold there and how many replicas (sessions) share it. Until its next report, a r
 reserve what it holds plus a 1/num_sessions share of the room the others leave (less, for
 each other replica, what its own Submits not yet counted by the report will hold, which the
 others' reports miss as well), so replicas that decide at the same moment, from pictures
-taken while Submits were on their way, cannot overfill the worker together;
-what a replica releases it may reuse at once (no other replica has seen it free). A request
+taken while Submits were on their way, cannot overfill the worker together.
+What a replica releases it may reuse at once only in part, a 1/num_sessions share: a request
+that finished left the worker's count before its finish reached this replica, so the others
+may have seen its tokens free and taken their shares of them; the rest comes back with the
+next report (alone on a worker, a replica reuses all of it at once). A request
 larger than one share, which could never fit one, may instead take the whole room, at most
 once per report (WorkerBudget.fits). docs/serving.md states the guarantee this gives.
 
@@ -404,6 +407,13 @@ class Admission:
             return  # it holds nothing
         held_s = time.monotonic() - reservation._admitted_at
         self._mean_hold_s += self._HOLD_TIME_SMOOTHING * (held_s - self._mean_hold_s)
+        worker = reservation.worker
+        if worker.limit_tokens is not None and worker.num_sessions > 1:
+            # A request that finished was dropped from the worker's count before its finish
+            # reached this replica, so another replica's report may have shown its tokens free
+            # already, and that replica may take its 1/N share of them: this one keeps the same
+            # share for reuse at once, the rest waits for the next report.
+            worker.limit_tokens -= reservation.tokens - reservation.tokens // worker.num_sessions
         self._give_back(reservation)
 
     def _suspend(self, reservation: Reservation) -> None:

@@ -326,13 +326,40 @@ def test_a_replica_claims_only_its_share_of_the_room_others_leave_until_the_next
     asyncio.run(scenario())
 
 
-def test_what_a_replica_releases_it_may_reserve_again_before_the_next_report():
+def test_a_replica_alone_on_a_worker_reserves_all_it_releases_again_at_once():
+    async def scenario():
+        admission = admission_with(100)
+        admission.observe_load("w0", tokens_in_flight=0, own_tokens_in_flight=0, num_sessions=1)
+        (await admission.reserve(100, first)).release()
+        assert admission.workers[0].free_tokens == 100
+    asyncio.run(scenario())
+
+
+def test_a_shared_replica_reserves_a_share_of_what_it_releases_at_once_and_the_rest_after_a_report():
     async def scenario():
         admission = admission_with(100)
         admission.observe_load("w0", tokens_in_flight=0, own_tokens_in_flight=0, num_sessions=2)
-        held = await admission.reserve(50, first)
-        held.release()
-        assert (await admission.reserve(50, first)).tokens == 50
+        (await admission.reserve(50, first)).release()
+        at_once = admission.workers[0].free_tokens
+        admission.observe_load("w0", tokens_in_flight=0, own_tokens_in_flight=0, num_sessions=2)
+        assert [at_once, admission.workers[0].free_tokens] == [25, 50]
+    asyncio.run(scenario())
+
+
+def test_a_finished_request_another_replica_saw_free_before_its_release_is_not_reserved_twice():
+    """The worker drops a finished request from its count before the finish reaches its
+    replica: the other replica's next report shows those tokens free already."""
+    async def scenario():
+        a, b = admission_with(100), admission_with(100)
+        for admission in (a, b):
+            admission.observe_load("w0", tokens_in_flight=0, own_tokens_in_flight=0, num_sessions=2)
+        finished = await a.reserve(50, first)
+        a.observe_load("w0", tokens_in_flight=50, own_tokens_in_flight=50, num_sessions=2)
+        await a.reserve(25, first)      # its share of the 50 left
+        b.observe_load("w0", tokens_in_flight=25, own_tokens_in_flight=0, num_sessions=2)
+        finished.release()
+        a_worker, b_worker = a.workers[0], b.workers[0]
+        assert a_worker.reserved_tokens + a_worker.free_tokens + b_worker.free_tokens <= 100
     asyncio.run(scenario())
 
 

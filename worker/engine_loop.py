@@ -50,23 +50,32 @@ class Session:
     outbox: asyncio.Queue = field(default_factory=asyncio.Queue)
     keys: set[str] = field(default_factory=set)
     router_id: str = ""
-    # prompt + max_tokens over its requests: its part of LoadReport.tokens_in_flight. Written on
-    # the engine thread, read by the load reporter (an int: always whole under the GIL).
-    tokens_in_flight: int = 0
-    # The same estimate for Submits read but not yet taken by the engine thread, which reads
-    # commands only between steps: without it a report taken meanwhile would show the other
-    # replicas room this session has already claimed. `submitted_tokens` is written by the
-    # reader, `taken_tokens` (after tokens_in_flight) by the engine thread; see reported_tokens.
+    # prompt + max_tokens over the Submits the reader has taken off the stream, written by the
+    # reader. The engine thread reads commands only between steps: without these a report taken
+    # meanwhile would show the other replicas room this session has already claimed.
     submitted_tokens: int = 0
-    taken_tokens: int = 0
+    # (prompt + max_tokens over its requests in the engine, how much of submitted_tokens the
+    # engine thread has taken in so far): written by the engine thread as one tuple, so that
+    # the load reporter on the event loop reads both of one moment (see reported_tokens).
+    engine_tokens: tuple[int, int] = (0, 0)
     submits_read: int = 0               # Submits the reader has taken off the stream
     last_read_at: float = 0.0           # time.monotonic() of the router's last message
 
+    @property
+    def tokens_in_flight(self) -> int:
+        """prompt + max_tokens over its requests in the engine."""
+        return self.engine_tokens[0]
+
     def reported_tokens(self) -> int:
-        """Its tokens in flight, Submits not yet taken included. `taken_tokens` is read first:
-        a Submit taken meanwhile is then counted twice (for one report), never missed."""
-        taken = self.taken_tokens
-        return self.tokens_in_flight + self.submitted_tokens - taken
+        """Its part of LoadReport.tokens_in_flight: its requests in the engine and its Submits
+        read but not yet taken in, each once. Exact when called on the reader's event loop."""
+        in_engine, taken = self.engine_tokens
+        return in_engine + self.submitted_tokens - taken
+
+    def count(self, in_engine: int, taken: int = 0) -> None:
+        """Engine thread: adds to the two counts of engine_tokens in one assignment."""
+        held, taken_so_far = self.engine_tokens
+        self.engine_tokens = (held + in_engine, taken_so_far + taken)
 
     def key(self, request_id: str) -> str:
         return f"{self.session_id}/{request_id}"
@@ -295,7 +304,7 @@ class EngineLoop:
         if session is not None:
             session.keys.discard(key)
             record = self.records.pop(key)
-            session.tokens_in_flight -= record.tokens_in_flight
+            session.count(-record.tokens_in_flight)
             self._close_record(record, reason, error)
 
     def _close_record(self, record: RequestRecord, reason: str, error: str | None = None) -> None:
@@ -331,19 +340,21 @@ class EngineLoop:
     def submit(self, session: Session, msg: pb.Submit, received: float, estimate: int) -> None:
         """`received`: time.monotonic() when the Submit was read, where its latencies start;
         `estimate`: what the reader added to session.submitted_tokens for it."""
+        added = 0
         try:
-            self._submit(session, msg, received)
+            added = self._submit(session, msg, received)
         finally:
-            session.taken_tokens += estimate
+            session.count(added, taken=estimate)
 
-    def _submit(self, session: Session, msg: pb.Submit, received: float) -> None:
+    def _submit(self, session: Session, msg: pb.Submit, received: float) -> int:
+        """Adds the request to the engine; returns its tokens in flight (0 if refused)."""
         key = session.key(msg.request_id)
         record = RequestRecord(received, len(msg.prompt_token_ids), self._start_span(msg, received),
                                lora_name=msg.lora_name)
         if self.draining:
             session.send(_handed_back(msg.request_id, self.fault or "draining", self.fault is not None))
             self._close_record(record, "drained")
-            return
+            return 0
         try:
             params = sampling_params_from_proto(msg.params)
             if record.span is not None:
@@ -357,12 +368,12 @@ class EngineLoop:
         except InvalidRequest as e:
             session.send(_event(msg.request_id, pb.EVENT_KIND_FAILED, message=str(e)))
             self._close_record(record, "failed", str(e))
-            return
+            return 0
         self.owner[key] = session
         self.records[key] = record
         session.keys.add(key)
         record.tokens_in_flight = self.engine.requests[key][0].max_len
-        session.tokens_in_flight += record.tokens_in_flight
+        return record.tokens_in_flight
 
     def _start_span(self, msg: pb.Submit, received: float) -> Span | None:
         """The request's span on this worker, a child of the router's span in `trace_context`."""

@@ -181,14 +181,16 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         while True:
             s = self.loop.stats
             hit_rate = s.prefix_hits / s.prefix_queries if s.prefix_queries else 0.0
+            own = session.reported_tokens()
             session.outbox.put_nowait(pb.WorkerMessage(load=pb.LoadReport(
                 free_blocks=s.free_blocks, used_blocks=s.total_blocks - s.free_blocks,
                 total_blocks=s.total_blocks, num_running=s.num_running, num_waiting=s.num_waiting,
                 num_swapped=s.num_swapped, free_swap_blocks=s.free_swap_blocks,
                 # From the sessions' live counts, not the step's snapshot: the total and this
                 # session's part must be of one moment for a router to tell the others' apart.
-                tokens_in_flight=sum(other.reported_tokens() for other in self.sessions),
-                session_tokens_in_flight=session.reported_tokens(), session_submits_read=session.submits_read,
+                tokens_in_flight=own + sum(other.reported_tokens() for other in self.sessions
+                                           if other is not session),
+                session_tokens_in_flight=own, session_submits_read=session.submits_read,
                 num_sessions=len(self.sessions),
                 draining=self.loop.draining, prefix_cache_hit_rate=hit_rate, stalled=self.loop.stalled,
                 lora_adapters=[pb.LoRAAdapter(name=name, path=path, rank=rank, target_modules=targets,
