@@ -150,10 +150,13 @@ WORKER_FLAGS = ["--model", "default", "--device", "cpu", "--max-num-seqs", "2", 
 
 @pytest.mark.slow
 def test_requests_queued_on_one_worker_move_to_a_worker_that_joins_and_finish_unchanged(expected):
+    # Both workers load up front; the router learns of the second only once requests wait on the
+    # first (as discovery would tell it). Starting the process then raced its model load against
+    # the queue draining, which a fast machine lost.
     busy, joining = (WorkerProcess(WORKER_FLAGS + ["--worker-id", name], port=free_port()) for name in ("busy", "new"))
 
     async def scenario():
-        router = Router(RouterConfig(workers=[busy.address, joining.address], host="127.0.0.1", port=0,
+        router = Router(RouterConfig(workers=[busy.address], host="127.0.0.1", port=0,
                                      fleet=FleetConfig(backoff_initial_s=0.2), shutdown_grace_s=1.0,
                                      rebalance=RebalanceConfig(hold_s=0.5, check_s=0.2)))
         await router.start()
@@ -165,17 +168,17 @@ def test_requests_queued_on_one_worker_move_to_a_worker_that_joins_and_finish_un
                     greedy_request(p, MAX_TOKENS, ignore_eos=True)))) for p in PROMPTS]
                 while not any(w.load is not None and w.load.num_waiting for w in router.fleet.workers.values()):
                     await asyncio.sleep(0.05)
-                joining.start()         # all six are on the busy worker now: two run, four wait
+                router.fleet.update({joining.address}, set())   # all six are on the busy worker: two run, four wait
                 done = await asyncio.wait_for(asyncio.gather(*streams), 240)
             return [s.token_ids for s in done], router.counters
         finally:
             await router.stop()
 
-    with busy:
-        try:
-            outputs, counters = asyncio.run(scenario())
-        finally:
-            if getattr(joining, "process", None) is not None:     # started by the scenario
-                joining.__exit__()
+    busy.start(), joining.start()
+    try:
+        busy.wait_ready(), joining.wait_ready()
+        outputs, counters = asyncio.run(scenario())
+    finally:
+        busy.__exit__(), joining.__exit__()
     assert outputs == expected
     assert counters.rebalances >= 1 and counters.redispatches == 0
