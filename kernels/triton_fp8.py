@@ -19,9 +19,8 @@
   rows take the tensor cores (MODE "dot", x @ W^T; "dot_t", W @ x^T, for larger tiles). A
   skinny product is bound by the weight's bytes, so narrow column tiles and, where the
   columns give too few programs, K split into ranges keep enough loads in flight; the split
-  partial sums are added by the
-  last program of each output tile (`kernels.triton_split_k.split_k_reduce`: fixed order, no
-  second launch). The constexprs are the mode and tile shapes (`pick_fp8_config`: classes
+  partial sums are added by the last program of each output tile
+  (`kernels.triton_split_k.split_k_reduce`: fixed order, no second launch). The constexprs are the mode and tile shapes (`pick_fp8_config`: classes
   of M 1, 2..16, 17..32, larger), `HAS_BIAS`, `SPLIT` and the dot precision; M and the K
   range per split are run-time values, so a new batch size compiles nothing new within its
   class, and nothing is read back to the host (CUDA-graph capturable once each class has
