@@ -16,6 +16,8 @@ as decode steps run, and prints the bandwidth each reaches over its weight bytes
 * `w4a16`: `kernels.w4a16.w4a16_matmul` (Triton), group 128.
 * `gguf_q4_1`, `gguf_q4_k`: the same kernel on the layouts GGUF Q4_1 and Q4_K files keep
   (group 32 with a float offset per group; float16 and float32 scales and offsets).
+* `w4a16_tinygemm`: the peer for `w4a16`, torch's own 4-bit kernel
+  (`aten::_weight_int4pack_mm`, tinygemm) on the same weights repacked for it.
 
 Each layer's weight is read once per token step in the engine, and the 8B model is far larger
 than the L2 cache, so each measurement rotates through copies of the weight (together over
@@ -46,7 +48,7 @@ from kernels.fp8 import (W8A16_MAX_M, fp8_grouped_linear, fp8_grouped_linear_ref
                          fp8_grouped_weight_only_ref, fp8_linear, fp8_linear_ref, fp8_linear_w8a8,
                          fp8_weight_only_ref, group_quant, per_channel_quant, per_token_quant)
 from kernels.linear import linear  # noqa: E402
-from kernels.w4_weight import W4Weight  # noqa: E402
+from kernels.w4_weight import W4Weight, unpack_int4  # noqa: E402
 from kernels.w4a16 import w4a16_matmul, w4a16_matmul_ref  # noqa: E402
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
@@ -62,6 +64,24 @@ def w4_of(k: int, n: int, g: torch.Generator, group: int = GROUP, scales_dtype: 
     zeros = torch.full((k // group, n), 0 if offsets else 8, dtype=torch.uint8)
     return W4Weight.from_values(values, scales, zeros, group,
                                 offsets=-8 * scales if offsets else None).to("cuda")
+
+
+def tinygemm_of(w: W4Weight, inner_k_tiles: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """`w` (no act-order) as torch's tinygemm takes it: the packed weight, and bf16 scales and
+    zeros `[G, N, 2]` for its `(q - 8) * scale + zero`, so `zero = (8 - z) * s + offset`
+    (rounded to bf16 once)."""
+    assert w.perm is None
+    q = unpack_int4(w.qweight).T.to(torch.int32)                     # [N, K]
+    packed = torch._convert_weight_to_int4pack(((q[:, ::2] << 4) | q[:, 1::2]).to(torch.uint8).contiguous(),
+                                               inner_k_tiles)
+    zero = (8 - w.zeros.float()) * w.scales.float()
+    if w.offsets is not None:
+        zero += w.offsets.float()
+    return packed, torch.stack([w.scales.float(), zero], dim=2).to(torch.bfloat16).contiguous()
+
+
+def tinygemm(x: torch.Tensor, w: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return torch._weight_int4pack_mm(x, w[0], GROUP, w[1])
 
 
 def nbytes(w) -> int:
@@ -122,6 +142,7 @@ def main_table(args) -> None:
                 "w4a16": w4_of(k, n, g),
                 "gguf_q4_1": w4_of(k, n, g, 32, torch.float16, offsets=True),
                 "gguf_q4_k": w4_of(k, n, g, 32, torch.float32, offsets=True)}
+        base["w4a16_tinygemm"] = tinygemm_of(base["w4a16"])
         weights[name] = {fmt: copies_of(w, args.l2_hot) for fmt, w in base.items()}
 
     # Correctness first: each fast path against its reference, on every shape, M = 5 and 64.
@@ -143,6 +164,8 @@ def main_table(args) -> None:
             for kind in ("w4a16", "gguf_q4_1", "gguf_q4_k"):
                 w4 = weights[name][kind][0]
                 checks[f"{kind}_{name}_m{m}"] = rel_error(w4a16_matmul(x, w4), w4a16_matmul_ref(x, w4))
+            checks[f"w4a16_tinygemm_{name}_m{m}"] = rel_error(
+                tinygemm(x, weights[name]["w4a16_tinygemm"][0]), w4a16_matmul_ref(x, weights[name]["w4a16"][0]))
     print("max relative errors: " + json.dumps({k: f"{v:.1e}" for k, v in checks.items()}), flush=True)
     assert max(checks.values()) < 2e-2, checks
 
@@ -166,6 +189,7 @@ def main_table(args) -> None:
         "w4a16": (w4a16_matmul, "w4a16"),
         "gguf_q4_1": (w4a16_matmul, "gguf_q4_1"),
         "gguf_q4_k": (w4a16_matmul, "gguf_q4_k"),
+        "w4a16_tinygemm": (tinygemm, "w4a16_tinygemm"),
     }
     results = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(),
                "torch": torch.__version__, "l2_hot": args.l2_hot, "w8a16_max_m": W8A16_MAX_M,
