@@ -67,10 +67,10 @@ def w4_of(k: int, n: int, g: torch.Generator, group: int = GROUP, scales_dtype: 
 
 
 def tinygemm_of(w: W4Weight, inner_k_tiles: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
-    """`w` (no act-order) as torch's tinygemm takes it: the packed weight, and bf16 scales and
-    zeros `[G, N, 2]` for its `(q - 8) * scale + zero`, so `zero = (8 - z) * s + offset`
-    (rounded to bf16 once)."""
-    assert w.perm is None
+    """`w` (no act-order, groups of GROUP rows) as torch's tinygemm takes it: the packed weight,
+    and bf16 scales and zeros `[G, N, 2]` for its `(q - 8) * scale + zero`, so
+    `zero = (8 - z) * s + offset` (rounded to bf16 once)."""
+    assert w.perm is None and w.group_size == GROUP
     q = unpack_int4(w.qweight).T.to(torch.int32)                     # [N, K]
     packed = torch._convert_weight_to_int4pack(((q[:, ::2] << 4) | q[:, 1::2]).to(torch.uint8).contiguous(),
                                                inner_k_tiles)
