@@ -34,9 +34,9 @@ def test_a_submit_read_but_not_taken_counts_in_the_report_and_once_when_taken(ma
         session.submitted_tokens += estimate            # as worker.server's reader does
         read = session.reported_tokens()
         loop.submit(session, msg, time.monotonic(), estimate)
-        return [read, session.reported_tokens(), session.tokens_in_flight]
+        return [read, session.reported_tokens(), session.engine_tokens]
 
-    assert asyncio.run(scenario()) == [12, 12, 12]
+    assert asyncio.run(scenario()) == [12, 12, (12, 12)]
 
 
 def test_a_refused_submit_counts_until_taken_and_then_nothing(make_engine):

@@ -61,11 +61,6 @@ class Session:
     submits_read: int = 0               # Submits the reader has taken off the stream
     last_read_at: float = 0.0           # time.monotonic() of the router's last message
 
-    @property
-    def tokens_in_flight(self) -> int:
-        """prompt + max_tokens over its requests in the engine."""
-        return self.engine_tokens[0]
-
     def reported_tokens(self) -> int:
         """Its part of LoadReport.tokens_in_flight: its requests in the engine and its Submits
         read but not yet taken in, each once. Exact when called on the reader's event loop."""
