@@ -174,11 +174,14 @@ def test_requests_queued_on_one_worker_move_to_a_worker_that_joins_and_finish_un
         finally:
             await router.stop()
 
-    busy.start(), joining.start()
+    for worker in (busy, joining):
+        worker.start()
     try:
-        busy.wait_ready(), joining.wait_ready()
+        for worker in (busy, joining):
+            worker.wait_ready()
         outputs, counters = asyncio.run(scenario())
     finally:
-        busy.__exit__(), joining.__exit__()
+        for worker in (busy, joining):
+            worker.__exit__()
     assert outputs == expected
     assert counters.rebalances >= 1 and counters.redispatches == 0
