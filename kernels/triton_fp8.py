@@ -17,16 +17,16 @@
   16-row minimum would waste the conversion on padding), the K loop's weight tiles staged
   through shared memory (cp.async, `num_stages` deep) to keep enough bytes in flight; 2..32
   rows take the tensor cores (MODE "dot", x @ W^T; "dot_t", W @ x^T, for larger tiles). A
-  skinny product is bound by the weight's bytes, so narrow column tiles and, where the
-  columns give too few programs, K split into ranges keep enough loads in flight; the split
-  partial sums are added by the last program of each output tile
-  (`kernels.triton_split_k.split_k_reduce`: fixed order, no second launch). The constexprs are the mode and tile shapes (`pick_fp8_config`: classes
-  of M 1, 2..16, 17..32, larger), `HAS_BIAS`, `SPLIT` and the dot precision; M and the K
-  range per split are run-time values, so a new batch size compiles nothing new within its
-  class, and nothing is read back to the host (CUDA-graph capturable once each class has
-  been warmed up outside the capture). With `group`, the weight's scales are per output
-  channel per `group` inputs and multiply each K-tile's products (K-tiles never straddle a
-  group: `group_block_k`).
+  skinny product is bound by the weight's bytes, so narrow column tiles and, where the columns
+  give too few programs, K split into ranges keep enough loads in flight; the split partial
+  sums are added by the last program of each output tile
+  (`kernels.triton_split_k.split_k_reduce`: fixed order, no second launch). The constexprs are
+  the mode and tile shapes (`pick_fp8_config`: classes of M 1, 2..16, 17..32, larger),
+  `HAS_BIAS`, `SPLIT` and the dot precision; M and the K range per split are run-time values,
+  so a new batch size compiles nothing new within its class, and nothing is read back to the
+  host (CUDA-graph capturable once each class has been warmed up outside the capture). With
+  `group`, the weight's scales are per output channel per `group` inputs and multiply each
+  K-tile's products (K-tiles never straddle a group: `group_block_k`).
 * `per_token_group_quant_triton` and `fp8_grouped_gemm_triton` (meaning:
   `kernels.fp8.fp8_grouped_linear_ref`): the large-M grouped linear, W8A8. Activations
   quantized per token per group in one launch; then one tile of the output per program,
