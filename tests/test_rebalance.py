@@ -9,6 +9,7 @@ as the engine run offline in this process.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import grpc
 import pytest
@@ -174,14 +175,14 @@ def test_requests_queued_on_one_worker_move_to_a_worker_that_joins_and_finish_un
         finally:
             await router.stop()
 
-    for worker in (busy, joining):
-        worker.start()
-    try:
+    # Both start before either is waited on, so their model loads overlap; each is stopped even
+    # if the other fails to start.
+    with contextlib.ExitStack() as running:
+        for worker in (busy, joining):
+            worker.start()
+            running.callback(worker.__exit__)
         for worker in (busy, joining):
             worker.wait_ready()
         outputs, counters = asyncio.run(scenario())
-    finally:
-        for worker in (busy, joining):
-            worker.__exit__()
     assert outputs == expected
     assert counters.rebalances >= 1 and counters.redispatches == 0
