@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from common.metrics import WorkerMetrics
 from common.convert import submit_tokens
+from common.pb import worker_pb2 as pb
 from worker.engine_loop import EngineLoop, Session
 from worker_process import submit
 
@@ -59,3 +60,26 @@ def test_the_estimate_is_capped_at_max_model_len(make_engine):
     max_len = loop.engine.max_model_len
     msg = submit("r1", [1, 2, 3], max_tokens=max_len).submit
     assert submit_tokens(msg, max_len) == max_len
+
+
+def test_a_request_that_fails_in_a_step_gets_failed_naming_why_and_its_tokens_return(make_engine):
+    loop = _loop(make_engine)
+
+    async def scenario() -> tuple[list[pb.WorkerMessage], int]:
+        session = Session("s1", asyncio.get_running_loop())
+        # A stop token is banned until min_tokens; it is the only token allowed.
+        msg = submit("r1", [1, 2, 3], max_tokens=4, min_tokens=2, stop_token_ids=[5], allowed_token_ids=[5]).submit
+        loop.submit(session, msg, time.monotonic(), 0)
+        while loop.engine.has_unfinished():
+            loop._step()
+        await asyncio.sleep(0)         # the sends are queued through the event loop
+        sent = []
+        while not session.outbox.empty():
+            sent.append(session.outbox.get_nowait())
+        return sent, session.reported_tokens()
+
+    sent, tokens = asyncio.run(scenario())
+    [failed] = [m.event for m in sent if m.WhichOneof("kind") == "event" and m.event.kind == pb.EVENT_KIND_FAILED]
+    assert failed.request_id == "r1" and not failed.worker_fault
+    assert failed.message == "no token may come at output token 0: allowed_token_ids, min_tokens together rule out every token"
+    assert tokens == 0

@@ -473,6 +473,16 @@ def test_a_streamed_json_schema_output_with_two_choices_validates_in_each(client
         Person.model_validate_json(text)
 
 
+def test_a_schema_too_complex_for_the_grammar_engine_is_a_400_not_a_broken_success(client, model):
+    wide = {"type": "object", "properties": {f"f{i}": {"type": "string"} for i in range(600)}}
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "JSON"}], max_tokens=20,
+                                       temperature=0, response_format={"type": "json_schema",
+                                                                       "json_schema": {"name": "x", "schema": wide}})
+    assert "the grammar engine stopped at output token" in refused.value.body["message"]
+    assert client.completions.create(model=model, prompt="Hi", max_tokens=2).choices[0].text
+
+
 def test_structured_outputs_regex_and_choice_constrain_completions(client, model):
     regex = client.completions.create(model=model, prompt="Call me at", max_tokens=20, temperature=1.0, seed=1,
                                       extra_body={"structured_outputs": {"regex": r" [0-9]{3}-[0-9]{4}"}})

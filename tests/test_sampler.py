@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from common.sampling_params import SamplingParams
-from worker.sampler import (BadWords, SampleResult, SamplingBatch, SamplingRow, filter_logits, apply_penalties,
+from worker.sampler import (NAN_LOGITS, NO_TOKEN_ALLOWED, BadWords, SampleResult, SamplingBatch, SamplingRow, filter_logits, apply_penalties,
                             sample, seeded_uniform, uniform_from_bits)
 
 V = 8
@@ -180,6 +180,19 @@ def test_a_grammar_bitmask_keeps_only_its_tokens_in_its_rows():
     b = batch(SamplingParams(temperature=0), SamplingParams(temperature=0))
     b.allowed = (torch.tensor([1]), torch.tensor([[1 << 5 | 1 << 7]], dtype=torch.int32))   # tokens 5 and 7
     assert draw(logits(ROW, ROW), b).token_ids == [1, 5]
+
+
+def test_a_row_whose_constraints_allow_no_token_reads_no_token_allowed_but_keeps_a_token_on_the_device():
+    b = batch(SamplingParams(temperature=0, allowed_token_ids=[4]), SamplingParams(temperature=1.0),
+              banned=[[4], []])
+    sampled = sample(logits(ROW, ROW), b)
+    assert sampled.read().token_ids[0] == NO_TOKEN_ALLOWED
+    assert 0 <= int(sampled.token_ids[0]) < V      # the next step may embed it before the host reads
+
+
+def test_a_row_of_nan_logits_reads_nan_logits_and_leaves_its_neighbour_alone():
+    b = batch(SamplingParams(temperature=1.0), SamplingParams(temperature=0))
+    assert draw(logits([math.nan] * V, ROW), b).token_ids == [NAN_LOGITS, 1]
 
 
 # ------------------------------------------------------------------ bad words

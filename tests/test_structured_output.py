@@ -170,3 +170,51 @@ def test_a_constraint_compiles_once_for_all_its_requests(engine, chat_ids):
     generate(engine, [chat_ids(q) for q in QUESTIONS[:2]], constrained("json_schema", schema, max_tokens=4))
     generate(engine, [chat_ids(QUESTIONS[2])], constrained("json_schema", schema, max_tokens=4))
     assert list(engine.grammars._compiled) == [StructuredOutput("json_schema", schema)]
+
+
+def outputs_of(engine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, list]:
+    """Runs the requests together to the end: request id -> its outputs, in order."""
+    got = {rid: [] for rid in requests}
+    for rid, (ids, params) in requests.items():
+        engine.add_request(rid, ids, params)
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[out.request_id].append(out)
+    return got
+
+
+# Fine to compile, but past the grammar engine's 2,000 items a parser row once the object opens.
+WIDE = json.dumps({"type": "object", "properties": {f"f{i}": {"type": "string"} for i in range(600)}})
+
+
+def test_a_grammar_too_complex_for_the_grammar_engine_fails_its_request_naming_the_limit(engine, chat_ids):
+    got = outputs_of(engine, {"wide": (chat_ids("An object, please."), constrained("json_schema", WIDE))})
+    last = got["wide"][-1]
+    assert last.finish_reason == FinishReason.ERROR and not last.fault
+    assert re.match(r"structured_output: the grammar engine stopped at output token 0: .*max is 2000", last.error)
+    assert [t for out in got["wide"] for t in out.new_token_ids] == []
+
+
+def test_constraints_that_rule_out_every_token_fail_the_request_naming_them(engine, chat_ids):
+    params = constrained("choice", ("yes",), allowed_token_ids=[42])
+    [out] = outputs_of(engine, {"r": (chat_ids("Yes?"), params)})["r"]
+    assert out.finish_reason == FinishReason.ERROR and not out.fault
+    assert out.error == ("no token may come at output token 0: structured_output, allowed_token_ids together "
+                         "rule out every token")
+
+
+def test_min_tokens_with_only_the_end_allowed_fails_the_request_once_no_token_is_left(engine, chat_ids):
+    end = sorted(engine.eos_token_ids)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=3, allowed_token_ids=[end])
+    [out] = outputs_of(engine, {"r": (chat_ids("Hi"), params)})["r"]
+    assert out.error == "no token may come at output token 0: allowed_token_ids, min_tokens together rule out every token"
+
+
+def test_a_failed_request_frees_its_blocks_and_leaves_its_batch_neighbours_unchanged(engine, chat_ids):
+    free = SamplingParams(temperature=0.0, max_tokens=12)
+    alone = outputs_of(engine, {"free": (chat_ids("Name a colour."), free)})["free"]
+    together = outputs_of(engine, {"free": (chat_ids("Name a colour."), free),
+                                   "wide": (chat_ids("An object, please."), constrained("json_schema", WIDE))})
+    assert [o.new_token_ids for o in together["free"]] == [o.new_token_ids for o in alone]
+    assert together["wide"][-1].finish_reason == FinishReason.ERROR
+    assert engine.blocks.num_free == engine.blocks.num_blocks

@@ -37,8 +37,8 @@ from worker.models.loader import ModelSource, load_tokenizer, resolve_source
 from worker.models.lora_checkpoint import read_lora_adapter
 from worker.parallel import Shard
 from worker import structured
-from worker.sampler import (BadWords, PromptLogprobs, PromptScoring, SampledTokens, SampleResult, SamplingBatch,
-                            SamplingRow)
+from worker.sampler import (NAN_LOGITS, NO_TOKEN_ALLOWED, BadWords, PromptLogprobs, PromptScoring, SampledTokens,
+                            SampleResult, SamplingBatch, SamplingRow)
 from worker.scheduler import Scheduler, ScheduledSeq, SchedulerOutput
 from worker.sequence import FinishReason, Sequence, SeqStatus
 
@@ -62,6 +62,10 @@ class RequestOutput:
     # Prompt logprobs the step computed (params.prompt_logprobs), continuing the earlier ones:
     # the first output's first entry is for prompt token 1; all come before the first token.
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    # With finish reason ERROR: what went wrong, and whether the worker is at fault (NaN logits)
+    # rather than the request (constraints that rule out every token, a grammar too complex).
+    error: str | None = None
+    fault: bool = False
 
 
 @dataclass
@@ -212,13 +216,20 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> bool:
         """Drops a request wherever it is and frees its blocks; False if it is unknown."""
+        return self._end(request_id, FinishReason.ABORT) is not None
+
+    def _end(self, request_id: str, reason: FinishReason) -> list[Sequence] | None:
+        """Finishes each unfinished choice of a request with `reason`, freeing its blocks, and
+        forgets the request; returns those choices (None for a request it does not know)."""
         seqs = self.requests.pop(request_id, None)
-        for seq in seqs or ():
-            if seq.status != SeqStatus.FINISHED:
-                self.scheduler.remove(seq)
-                seq.status, seq.finish_reason = SeqStatus.FINISHED, FinishReason.ABORT
-                self._let_go_of_adapter(seq)
-        return seqs is not None
+        if seqs is None:
+            return None
+        ended = [seq for seq in seqs if seq.status != SeqStatus.FINISHED]
+        for seq in ended:
+            self.scheduler.remove(seq)
+            seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
+            self._let_go_of_adapter(seq)
+        return ended
 
     def preempt(self, request_id: str, mode: str | None = None, hold: bool = False) -> list[str]:
         """Takes a request's running choices off the device (swap or recompute, as the pool
@@ -370,6 +381,10 @@ class LLMEngine:
             seq.num_pending -= 1
             if seq.status == SeqStatus.FINISHED:     # aborted, or stopped a step earlier
                 continue
+            failure = self._undrawable(seq, token)
+            if failure is not None:
+                outputs += self._fail(seq, *failure)
+                continue
             outputs.append(self._append_token(seq, token, logprobs, prompt_logprobs.pop(seq, None)))
             if seq.status == SeqStatus.RUNNING:      # not finished now, nor preempted meanwhile
                 self.blocks.register_full_blocks(seq)
@@ -466,7 +481,7 @@ class LLMEngine:
         if seq.num_output >= p.min_tokens and (
                 token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)):
             reason = FinishReason.STOP
-        elif seq.matcher is not None and self._grammar_ends(seq, token):
+        elif seq.matcher is not None and seq.matcher.is_stopped():   # the output is complete
             reason = FinishReason.STOP
         elif len(seq.token_ids) >= seq.max_len:
             reason = FinishReason.LENGTH
@@ -477,15 +492,35 @@ class LLMEngine:
         return out
 
     @staticmethod
-    def _grammar_ends(seq: Sequence, token: int) -> bool:
-        """Advances the sequence's grammar over its new token: True once the output is
-        complete (nothing but the end may follow). A token the grammar refuses cannot be drawn
-        under its mask; should one come (a bug), the choice ends rather than run on unchecked."""
-        if not seq.matcher.consume_token(token):
-            log.error("request %s: token %d does not follow its grammar (%s); the choice ends",
-                      seq.request_id, token, seq.matcher.get_error())
-            return True
-        return seq.matcher.is_stopped()
+    def _undrawable(seq: Sequence, token: int) -> tuple[str, bool] | None:
+        """Why the sequence cannot take the token drawn for it, as (error, worker at fault), or
+        None; advances its grammar over the token. The request fails rather than end as if it
+        had stopped: the output would break its constraints."""
+        position = f"output token {seq.num_output}"
+        if token == NO_TOKEN_ALLOWED:
+            p = seq.params
+            limits = [name for name, given in (
+                ("structured_output", p.structured_output is not None), ("allowed_token_ids", p.allowed_token_ids),
+                ("bad_words", p.bad_words), ("min_tokens", seq.num_output < p.min_tokens),
+                ("logits_processors", p.logits_processors)) if given]
+            return f"no token may come at {position}: {', '.join(limits)} together rule out every token", False
+        if token == NAN_LOGITS:
+            under = f" under LoRA adapter '{seq.lora_name}'" if seq.lora_name else ""
+            return f"the model computed NaN logits{under} at {position}", True
+        if seq.matcher is not None and not seq.matcher.consume_token(token):
+            # The mask allowed the token, so the grammar engine itself gave up (a grammar too
+            # complex for its limits); its message's first line says which limit.
+            reason = seq.matcher.get_error().splitlines()[0][:500]
+            return f"structured_output: the grammar engine stopped at {position}: {reason}", False
+        return None
+
+    def _fail(self, seq: Sequence, error: str, fault: bool) -> list[RequestOutput]:
+        """Ends the sequence's whole request with `error`: an ERROR output for each of its
+        choices still unfinished."""
+        log.warning("request %s failed: %s", seq.request_id, error)
+        return [RequestOutput(s.request_id, s.index, [], None, FinishReason.ERROR, s.prompt_len, s.num_cached_tokens,
+                              error=error, fault=fault)
+                for s in self._end(seq.request_id, FinishReason.ERROR)]
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         self.scheduler.remove(seq)

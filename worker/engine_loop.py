@@ -257,12 +257,15 @@ class EngineLoop:
         decided those events (None: just now, outside a step)."""
         now = time.monotonic()
         by_session: dict[Session, list] = {}
-        finished = []
+        finished, failed = [], []
         for out in outputs:
             session = self.owner.get(out.request_id)
             if session is None:
                 continue
             request_id = out.request_id.split("/", 1)[1]
+            if out.finish_reason == FinishReason.ERROR:
+                failed.append((session, out))
+                continue
             by_session.setdefault(session, []).append(_delta(request_id, out))
             record = self.records[out.request_id]
             if record.first_token is None and out.new_token_ids:   # not a prompt chunk's logprobs
@@ -284,6 +287,10 @@ class EngineLoop:
         for session, key, request_id, reason in finished:
             self._forget(key, reason)
             session.send(_event(request_id, pb.EVENT_KIND_FINISHED))
+        for session, out in failed:
+            self._forget(out.request_id, "failed", out.error)
+            session.send(_event(out.request_id.split("/", 1)[1], pb.EVENT_KIND_FAILED, message=out.error,
+                                worker_fault=out.fault))
 
     def _observe_event(self, record: RequestRecord, event: EngineEvent, at: float) -> None:
         if event.kind == "admitted":

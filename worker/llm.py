@@ -29,6 +29,9 @@ class Completion:
     # With params.prompt_logprobs: per prompt token, (its logprob, [(token id, logprob) of the
     # top n]); None for the first token, which nothing predicts (as in vLLM).
     prompt_logprobs: list | None = None
+    # Why the request failed (its choices' finish_reason is "error"), else None: its
+    # constraints ruled out every token, or its grammar was too complex for the grammar engine.
+    error: str | None = None
 
 
 class LLM:
@@ -101,6 +104,7 @@ class LLM:
                 if out.prompt_logprobs:
                     completion.prompt_logprobs += out.prompt_logprobs
                 completion.num_cached_tokens = out.num_cached_tokens
+                completion.error = completion.error or out.error
                 if out.finish_reason is not None:
                     choice.finish_reason = out.finish_reason.value
                     if all(c.finish_reason for c in completion.choices):

@@ -229,13 +229,22 @@ def _pair_logprobs(chosen: list[float], top_ids: list[list[int]], top_values: li
     return [(c, list(zip(i, v))) for c, i, v in zip(chosen, top_ids, top_values)]
 
 
+# What the host reads for a row that drew nothing: every logit -inf (its constraints together
+# allow no token), or NaN (the model, or its LoRA adapter, computed no number).
+NO_TOKEN_ALLOWED = -1
+NAN_LOGITS = -2
+
+
 class SampledTokens:
     """One step's draws. `token_ids` stays on the device, where the next step reads the
-    tokens it computes; their host copies (and the logprobs') are read by `read`."""
+    tokens it computes; their host copies (and the logprobs') are read by `read`. `reported`
+    is what the host reads: `token_ids`, or NO_TOKEN_ALLOWED / NAN_LOGITS in a row that drew
+    nothing (whose device id is still a valid one, since the next step may embed it)."""
 
-    def __init__(self, token_ids: torch.Tensor, logprob_tensors: tuple[torch.Tensor, ...] | None):
+    def __init__(self, token_ids: torch.Tensor, logprob_tensors: tuple[torch.Tensor, ...] | None,
+                 reported: torch.Tensor | None = None):
         self.token_ids = token_ids
-        self._copies = _HostCopies((token_ids, *(logprob_tensors or ())))
+        self._copies = _HostCopies((token_ids if reported is None else reported, *(logprob_tensors or ())))
 
     def read(self) -> SampleResult:
         token_ids, *logprob_lists = self._copies.lists()
@@ -372,7 +381,7 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> SampledTokens:
         logits = apply_allowed(logits, *b.allowed)
     for processor, rows, state in b.processors:
         logits = logits.index_copy(0, rows, processor.apply(logits[rows], state))
-    greedy_ids = logits.argmax(-1)
+    best, greedy_ids = logits.max(-1)
     if b.all_greedy:
         token_ids = greedy_ids
     else:
@@ -384,6 +393,7 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> SampledTokens:
         drawn = (probs / -torch.log(u)).argmax(-1)
         token_ids = torch.where(b.temperature > 0, drawn, greedy_ids)
 
-    if b.logprobs_top_n is None:
-        return SampledTokens(token_ids, None)
-    return SampledTokens(token_ids, token_logprobs(raw, token_ids, b.logprobs_top_n))
+    drew_nothing = torch.where(best.isnan(), NAN_LOGITS, NO_TOKEN_ALLOWED)
+    reported = torch.where(best > float("-inf"), token_ids, drew_nothing)
+    logprobs = None if b.logprobs_top_n is None else token_logprobs(raw, token_ids, b.logprobs_top_n)
+    return SampledTokens(token_ids, logprobs, reported)

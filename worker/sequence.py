@@ -31,6 +31,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"       # EOS or a stop token
     LENGTH = "length"   # max_tokens or max_model_len reached
     ABORT = "abort"
+    ERROR = "error"     # the request failed (RequestOutput.error says why)
 
 
 @dataclass(eq=False)
