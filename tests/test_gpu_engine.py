@@ -255,6 +255,33 @@ def test_structured_outputs_on_the_gpu_follow_their_schema_beside_free_rows(tmp_
         jsonschema.validate(json.loads(tokenizer.decode(mixed[rid][0], skip_special_tokens=True)), schema)
 
 
+def test_requests_whose_constraints_allow_no_token_fail_on_the_gpu_and_free_rows_run_on(tmp_path):
+    """Asynchronous scheduling with graphs: the step after an impossible draw is already launched
+    with the row's (valid) device token; the request fails when the draw is read."""
+    from worker.sequence import FinishReason
+    save_tiny_llama(tmp_path)
+    engine = engine_for(tmp_path, "bfloat16")
+    assert engine.config.async_scheduling and engine.runner.graphs is not None
+    free = SamplingParams(temperature=1.0, max_tokens=24, seed=5, ignore_eos=True)
+    # The stop token is banned until min_tokens, and it is the only token allowed.
+    stuck = SamplingParams(temperature=1.0, max_tokens=24, min_tokens=4, stop_token_ids=[7], allowed_token_ids=[7])
+    prompt = list(range(40, 60))
+    alone = generate(engine, [prompt], free)["r0"]
+    outputs = {}
+    for i, params in enumerate([free, stuck, free, stuck]):
+        engine.add_request(f"r{i}", prompt, params)
+        outputs[f"r{i}"] = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs[out.request_id].append(out)
+    for rid in ("r1", "r3"):
+        [failed] = outputs[rid]
+        assert failed.finish_reason == FinishReason.ERROR and "allowed_token_ids, min_tokens" in failed.error
+    for rid in ("r0", "r2"):
+        assert [t for out in outputs[rid] for t in out.new_token_ids] == alone[0]
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
 def test_decoding_with_pdl_changes_no_token(tmp_path, monkeypatch):
     """The decode kernels launched with programmatic dependent launch (`kernels.pdl`, on by
     default on Hopper) give the tokens they give without it, in CUDA graphs and eagerly."""
