@@ -1,5 +1,6 @@
 """Conversions between protobuf messages and the engine's records, shared by router and worker."""
 
+import math
 from collections.abc import Iterator
 
 from google.protobuf import json_format, struct_pb2
@@ -62,9 +63,13 @@ def struct_to_dict(struct: struct_pb2.Struct, name: str) -> dict:
     the Value's fields under names its library does not know (protobufjs takes only
     `numberValue`, not `number_value`), and the argument would otherwise vanish silently."""
     for path, value in _values(struct, name):
-        if value.WhichOneof("kind") is None:
+        kind = value.WhichOneof("kind")
+        if kind is None:
             raise InvalidRequest(f"{path} has no value set: a google.protobuf.Value needs one of null_value, "
                                  f"number_value, string_value, bool_value, struct_value or list_value", name)
+        if kind == "number_value" and not math.isfinite(value.number_value):
+            raise InvalidRequest(f"{path} is {value.number_value}, which JSON cannot hold: numbers must be finite",
+                                 name)
     return json_format.MessageToDict(struct)
 
 

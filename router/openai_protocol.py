@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -116,8 +117,6 @@ def body_field(body: dict, name: str, kinds: tuple[type, ...], default: Any = No
         if float in kinds:  # a number field: its range is the gRPC API's, checked later
             return _as_float(value, name)
         _check_int(value, name, limits)
-    if isinstance(value, str):
-        _check_text(value, name)
     return value
 
 
@@ -146,21 +145,33 @@ def int_list(values: list, name: str) -> list[int]:
 
 
 def string_list(values: list, name: str) -> list[str]:
-    """An array of strings (each encodable text)."""
-    for i, value in enumerate(values):
-        if not isinstance(value, str):
-            raise HttpError(400, f"{name} must be an array of strings", name)
-        _check_text(value, f"{name}[{i}]")
+    """An array of strings."""
+    if not all(isinstance(value, str) for value in values):
+        raise HttpError(400, f"{name} must be an array of strings", name)
     return values
 
 
-def _check_text(value: str, name: str) -> None:
-    """JSON can escape a lone UTF-16 surrogate ("\\ud800"), which is no Unicode text."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        raise HttpError(400, f"{name} is not valid Unicode text: it holds a lone UTF-16 "
-                        "surrogate", name) from None
+# Only an escape in the JSON text ("\\ud800") can put a UTF-16 surrogate in a string.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _check_unicode(value, path: str) -> None:
+    """Refuses a lone UTF-16 surrogate in any string of `value`, a key too, naming where it is:
+    such a string is no Unicode text, and nothing past the parser could encode it."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            name = path or "the body"
+            raise HttpError(400, f"{name} is not valid Unicode text: it holds a lone UTF-16 surrogate",
+                            path or None) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_unicode(key, f"{path}.<key>" if path else "<key>")
+            _check_unicode(item, f"{path}.{key}" if path else key)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_unicode(item, f"{path}[{i}]")
 
 
 
@@ -174,6 +185,8 @@ def parse_body(text: str) -> dict:
         raise HttpError(400, "the body is not valid JSON here: it is nested too deeply") from None
     if not isinstance(body, dict):
         raise HttpError(400, "the body must be a JSON object")
+    if _SURROGATE_ESCAPE.search(text):
+        _check_unicode(body, "")
     return body
 
 
@@ -214,8 +227,6 @@ def sampling_parameters(body: dict, *, chat: bool) -> pb.SamplingParameters:
     stop = [stop] if isinstance(stop, str) else stop
     if not all(isinstance(s, str) for s in stop):
         raise HttpError(400, "stop must be a string or an array of strings", "stop")
-    for i, s in enumerate(stop):
-        _check_text(s, f"stop[{i}]")
     p.stop.extend(stop)
     p.stop_token_ids.extend(int_list(body_field(body, "stop_token_ids", (list,), []), "stop_token_ids"))
     if chat:
@@ -250,7 +261,11 @@ def sampling_parameters(body: dict, *, chat: bool) -> pb.SamplingParameters:
                                            "logits_processors"))
     extra_args = body_field(body, "vllm_xargs", (dict,))       # vLLM's name for extra_args
     if extra_args is not None:
-        p.extra_args.update(extra_args)
+        try:
+            p.extra_args.update(extra_args)
+        except OverflowError:       # an integer past float64, which a Struct's numbers are
+            raise HttpError(400, "vllm_xargs holds an integer too large for a JSON number (a float64)",
+                            "vllm_xargs") from None
     _refuse_unsupported(body, chat=chat)
     constraint = structured_output(body)
     if chat and (calling := tool_calls_of(body)) is not None and not calling.auto:
@@ -314,12 +329,9 @@ def structured_output(body: dict) -> pb.StructuredOutput | None:
     if name == "choice":
         if not (isinstance(value, list) and value and all(isinstance(v, str) for v in value)):
             raise HttpError(400, f"{param} must be a non-empty array of strings", param)
-        for i, choice in enumerate(value):
-            _check_text(choice, f"{param}[{i}]")
         return pb.StructuredOutput(choice=pb.Choices(values=value))
     if not isinstance(value, str):
         raise HttpError(400, f"{param} must be a string" + (" or an object" if name == "json" else ""), param)
-    _check_text(value, param)
     return pb.StructuredOutput(**{STRUCTURED_KINDS[name]: value})
 
 
@@ -384,9 +396,7 @@ def completion_prompts(prompt) -> list[str | list[int]]:
         raise HttpError(400, f"prompt holds {len(batch)} prompts; at most {MAX_PROMPTS} are allowed "
                         "in one request", "prompt")
     for one, name in zip(batch, names):
-        if isinstance(one, str):
-            _check_text(one, name)
-        else:
+        if not isinstance(one, str):
             int_list(one, name)
     return batch
 
@@ -416,7 +426,6 @@ def chat_messages(body: dict) -> pb.ChatMessages:
             content = "".join(part["text"] for part in content)
         if not isinstance(content, str):
             raise HttpError(400, f"{name} must be a string or an array of text parts", name)
-        _check_text(content, name)
         call_id = m.get("tool_call_id") or ""
         if not isinstance(call_id, str):
             raise HttpError(400, f"messages[{i}].tool_call_id must be a string", f"messages[{i}].tool_call_id")

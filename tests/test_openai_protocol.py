@@ -109,13 +109,28 @@ def test_integer_too_large_for_its_field_is_400_naming_it(served, field, value):
     assert error["param"].startswith(field) and "out of range" in error["message"]
 
 
-@pytest.mark.parametrize("text,chat", [
-    ('{"prompt": "Hi \\ud800", "max_tokens": 2}', False),
-    ('{"messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 2}', True),
+@pytest.mark.parametrize("text,param", [
+    ('{"prompt": "Hi \\ud800", "max_tokens": 2}', "prompt"),
+    ('{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages[0].content"),
+    ('{"tools": [{"type": "function", "function": {"name": "f\\ud800"}}]}', "tools[0].function.name"),
+    ('{"messages": [{"role": "tool", "content": "x", "tool_call_id": "\\udc00"}]}', "messages[0].tool_call_id"),
+    ('{"vllm_xargs": {"k": ["a", "\\uDBFF"]}}', "vllm_xargs.k[1]"),
+    ('{"vllm_xargs": {"\\ud800": 1}}', "vllm_xargs.<key>"),
 ])
-def test_lone_surrogate_in_text_is_400(served, text, chat):
-    error = refusal(parse_body(text), served, chat=chat)
-    assert error["status"] == 400 and "surrogate" in error["message"]
+def test_a_lone_surrogate_anywhere_in_the_body_is_a_400_naming_where(text, param):
+    with pytest.raises(HttpError, match="lone UTF-16 surrogate") as refused:
+        parse_body(text)
+    assert refused.value.status == 400 and refused.value.param == param
+
+
+def test_a_surrogate_pair_is_the_character_it_escapes():
+    assert parse_body('{"prompt": "\\ud83d\\ude00"}') == {"prompt": "\U0001F600"}
+
+
+@pytest.mark.parametrize("literal,problem", [("NaN", "finite"), ("-Infinity", "finite"), ("1" + "0" * 400, "too large")])
+def test_a_number_json_cannot_hold_in_vllm_xargs_is_400(served, literal, problem):
+    error = refusal(parse_body('{"prompt": "Hi", "max_tokens": 1, "vllm_xargs": {"a": [' + literal + "]}}"), served)
+    assert error["status"] == 400 and error["param"] in ("vllm_xargs", "extra_args") and problem in error["message"]
 
 
 def test_prompt_over_max_model_len_is_400(served):
