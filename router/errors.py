@@ -7,11 +7,25 @@ import math
 import grpc
 
 
+# A message travels in a gRPC trailer, which clients refuse past 8 KiB or so (the call then
+# fails RESOURCE_EXHAUSTED, as if the server were overloaded): one that quotes a large input
+# (a schema, a grammar, a list of ids) is cut to this many characters.
+MAX_MESSAGE_CHARS = 1000
+
+
+def bounded(message: str) -> str:
+    """`message`, cut to MAX_MESSAGE_CHARS with a note of how much was left out."""
+    if len(message) <= MAX_MESSAGE_CHARS:
+        return message
+    return f"{message[:MAX_MESSAGE_CHARS]}... ({len(message) - MAX_MESSAGE_CHARS} more characters)"
+
+
 class ApiError(Exception):
     """Ends the call with `code` and a message that says what was wrong and what is allowed."""
 
     def __init__(self, code: grpc.StatusCode, message: str,
                  retry_after_s: float | None = None, *, field: str | None = None) -> None:
+        message = bounded(message)
         super().__init__(message)
         self.code = code
         self.message = message

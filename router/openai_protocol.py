@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 
 from common.pb import generation_pb2 as pb
-from router.errors import ApiError
+from router.errors import ApiError, bounded
 from router.tool_calls import StreamedCalls, ToolCallError, ToolCalling, tool_calling
 
 HTTP_STATUS = {
@@ -48,6 +48,7 @@ class HttpError(Exception):
 
     def __init__(self, status: int, message: str, param: str | None = None,
                  retry_after_s: float | None = None, code: str | None = None):
+        message = bounded(message)
         super().__init__(message)
         self.status, self.message, self.param, self.retry_after_s = status, message, param, retry_after_s
         self.code = code or ERROR_CODE.get(status)

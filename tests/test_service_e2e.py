@@ -487,6 +487,14 @@ def test_a_structured_output_that_does_not_compile_is_invalid_naming_it(worker):
                         "params.structured_output.regex does not compile")], worker)
 
 
+def test_a_refusal_quoting_a_large_input_is_invalid_argument_cut_to_a_readable_length(worker):
+    # The message quotes the regex; whole, it would overflow the client's trailer limit and
+    # reach the client as RESOURCE_EXHAUSTED, which reads as overload.
+    params = pb.SamplingParameters(structured_output=pb.StructuredOutput(regex="(" + "a" * 20000))
+    expect_rejections([(pb.GenerateRequest(text="Hi", params=params), grpc.StatusCode.INVALID_ARGUMENT,
+                        "more characters)")], worker)
+
+
 def test_unknown_model_is_not_found(worker):
     expect_rejections([(pb.GenerateRequest(model="gpt-17", text="Hi"),
                         grpc.StatusCode.NOT_FOUND, "'gpt-17' is not served")], worker)
