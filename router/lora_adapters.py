@@ -30,11 +30,23 @@ class LoRAAdapters:
         return [pb.LoRAAdapterInfo(name=name, parent=parent, path=path, workers=len(holders))
                 for name, (path, holders) in sorted(self._fleet.lora_adapters().items())]
 
-    async def load(self, request: pb.LoadLoRAAdapterRequest, parent: str) -> pb.LoadLoRAAdapterResponse:
+    async def load(self, request: pb.LoadLoRAAdapterRequest, served_names: tuple[str, ...]
+                   ) -> pb.LoadLoRAAdapterResponse:
+        """Loads an adapter onto one worker; `served_names`: the base model's names, the first
+        its adapters' parent."""
         if not request.lora_name:
             raise invalid_argument("lora_name is required", "lora_name")
         if not request.lora_path:
             raise invalid_argument("lora_path is required", "lora_path")
+        if request.lora_name in served_names:
+            # A request naming it would reach the base model; the adapter could never be used.
+            raise invalid_argument(f"lora_name {request.lora_name!r} is the base model's name: an adapter "
+                                   "needs a name of its own", "lora_name")
+        known = self._fleet.lora_path(request.lora_name)
+        if known and known != request.lora_path:
+            # Workers holding the first would serve it under the name while others load the second.
+            raise invalid_argument(f"LoRA adapter {request.lora_name!r} is already loaded from {known!r}; "
+                                   "unload it before loading another adapter under its name", "lora_name")
         capable = [w for w in self._fleet.accepting() if w.serves_lora]
         if not capable:
             raise ApiError(grpc.StatusCode.FAILED_PRECONDITION,
@@ -50,7 +62,7 @@ class LoRAAdapters:
         log.info("LoRA adapter loaded", extra={"lora": request.lora_name, "path": request.lora_path,
                                                "worker": worker.worker_id, "rank": adapter.rank})
         return pb.LoadLoRAAdapterResponse(adapter=pb.LoRAAdapterInfo(
-            name=request.lora_name, parent=parent, path=request.lora_path, workers=1))
+            name=request.lora_name, parent=served_names[0], path=request.lora_path, workers=1))
 
     async def unload(self, request: pb.UnloadLoRAAdapterRequest) -> pb.UnloadLoRAAdapterResponse:
         name = request.lora_name

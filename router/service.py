@@ -267,7 +267,7 @@ class GenerationService:
                                     lora_adapters=self._lora.infos(names[0]))
 
     async def load_lora_adapter(self, request: pb.LoadLoRAAdapterRequest) -> pb.LoadLoRAAdapterResponse:
-        return await self._lora.load(request, self.served_model().names[0])
+        return await self._lora.load(request, self.served_model().names)
 
     async def unload_lora_adapter(self, request: pb.UnloadLoRAAdapterRequest) -> pb.UnloadLoRAAdapterResponse:
         return await self._lora.unload(request)

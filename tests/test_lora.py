@@ -271,6 +271,19 @@ def test_a_corrupt_weights_file_is_refused_naming_it(adapters, smollm_weights, t
         read_lora_adapter("bad", str(tmp_path / "bad"), smollm_weights[0], max_rank=16)
 
 
+def test_an_adapter_holding_nan_is_refused_naming_the_tensor(adapters, smollm_weights, tmp_path):
+    import shutil
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(adapters["qv8"][0], tmp_path / "nan")
+    weights_file = tmp_path / "nan" / "adapter_model.safetensors"
+    tensors = load_file(weights_file)
+    key = sorted(tensors)[0]
+    tensors[key][0, 0] = float("nan")
+    save_file(tensors, weights_file)
+    with pytest.raises(LoRAAdapterError, match=f"tensor {key!r} holds NaN or infinite values"):
+        read_lora_adapter("nan", str(tmp_path / "nan"), smollm_weights[0], max_rank=16)
+
+
 def test_a_missing_directory_is_refused(smollm_weights, tmp_path):
     with pytest.raises(LoRAAdapterError, match="no such directory"):
         read_lora_adapter("gone", str(tmp_path / "gone"), smollm_weights[0], max_rank=16)

@@ -211,6 +211,27 @@ def test_loading_a_broken_adapter_is_invalid_argument_naming_the_file(workers, t
     asyncio.run(scenario())
 
 
+def test_loading_under_the_base_models_name_or_a_loaded_adapters_name_is_refused(workers, adapters):
+    async def scenario():
+        async with running_router(workers["holder"], workers["spare"]) as router, \
+                grpc.aio.insecure_channel(router.address) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            info = await stub.ModelInfo(pb.ModelInfoRequest())
+            base, (loaded, *_) = info.model_names[0], info.lora_adapters
+            other = next(path for path, _ in adapters.values() if path != loaded.path)
+            refusals = []
+            for name, path in ((base, other), (loaded.name, other)):
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await stub.LoadLoRAAdapter(pb.LoadLoRAAdapterRequest(lora_name=name, lora_path=path))
+                refusals.append((refused.value.code(), refused.value.details()))
+            return base, loaded, refusals
+    base, loaded, refusals = asyncio.run(scenario())
+    assert refusals[0] == (grpc.StatusCode.INVALID_ARGUMENT,
+                           f"lora_name {base!r} is the base model's name: an adapter needs a name of its own")
+    assert refusals[1][0] == grpc.StatusCode.INVALID_ARGUMENT
+    assert refusals[1][1].startswith(f"LoRA adapter {loaded.name!r} is already loaded from {loaded.path!r}")
+
+
 def test_an_adapter_request_whose_worker_dies_finishes_on_a_worker_that_loads_it(adapters, expected):
     common = ["--model", "default", "--device", "cpu", "--dtype", "float32", "--enable-lora", "--async-scheduling"]
     victim = WorkerProcess(["--worker-id", "victim", *common, "--lora-modules", f"sql={adapters['sql'][0]}"],

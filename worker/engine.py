@@ -537,9 +537,12 @@ class LLMEngine:
             raise InvalidRequest(f"LoRA adapter {name!r} asked for, but this worker serves no adapters "
                                  f"(start it with --enable-lora)", "lora_name")
         adapter = self.lora.get(name)
-        if adapter is None or adapter.unloading:
-            raise LoRANotFound(f"LoRA adapter {name!r} is not loaded (loaded: "
-                               f"{', '.join(self.lora.adapters) or 'none'})", "lora_name")
+        if adapter is not None and adapter.unloading:
+            raise LoRANotFound(f"LoRA adapter {name!r} is being unloaded", "lora_name")
+        if adapter is None:
+            loaded = [n for n, a in self.lora.adapters.items() if not a.unloading]
+            raise LoRANotFound(f"LoRA adapter {name!r} is not loaded (loaded: {', '.join(loaded) or 'none'})",
+                               "lora_name")
         return adapter
 
     def add_lora(self, weights) -> list[str]:

@@ -150,6 +150,9 @@ def read_lora_adapter(name: str, path: str, cfg: ModelConfig, max_rank: int,
         if not tensor.is_floating_point() or tensor.dim() != 2:
             raise LoRAAdapterError(f"{weights_file}: tensor {key!r} must be a 2-D float tensor, "
                                    f"not {tuple(tensor.shape)} {tensor.dtype}")
+        if not torch.isfinite(tensor).all():
+            # It would make every logit of its requests NaN; better refused than served.
+            raise LoRAAdapterError(f"{weights_file}: tensor {key!r} holds NaN or infinite values")
         pieces.setdefault((layer, module), {})[which] = tensor
     if not pieces:
         raise LoRAAdapterError(f"{weights_file}: holds no LoRA weights")
