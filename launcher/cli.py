@@ -500,17 +500,17 @@ def _client_parser(command: str, prompt_help: str) -> argparse.ArgumentParser:
 
 def _complete(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from common.pb import generation_pb2 as pb
-    return _stream(args, pb.GenerateRequest(text=args.prompt))
+    return _stream(args, parser, pb.GenerateRequest(text=args.prompt))
 
 
 def _chat(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from common.pb import generation_pb2 as pb
     messages = [pb.ChatMessage(role="system", content=args.system)] if args.system else []
     messages.append(pb.ChatMessage(role="user", content=args.prompt))
-    return _stream(args, pb.GenerateRequest(chat=pb.ChatMessages(messages=messages)))
+    return _stream(args, parser, pb.GenerateRequest(chat=pb.ChatMessages(messages=messages)))
 
 
-def _stream(args: argparse.Namespace, request) -> int:
+def _stream(args: argparse.Namespace, parser: argparse.ArgumentParser, request) -> int:
     """Sends the request and writes the text as it arrives; a summary goes to stderr."""
     import grpc
 
@@ -519,11 +519,18 @@ def _stream(args: argparse.Namespace, request) -> int:
 
     request.model = args.model
     params = request.params
-    params.max_tokens = args.max_tokens
     params.stop.extend(args.stop)
-    for name in ("temperature", "top_p", "top_k", "seed"):
-        if getattr(args, name) is not None:
-            setattr(params, name, getattr(args, name))
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed"):
+        value = getattr(args, name)
+        if value is not None:
+            try:
+                setattr(params, name, value)
+            except ValueError:      # past the field's integer type: a usage error, not a traceback
+                from google.protobuf.descriptor import FieldDescriptor as F
+                low, high = {F.TYPE_INT32: (-2**31, 2**31 - 1), F.TYPE_UINT32: (0, 2**32 - 1),
+                             F.TYPE_INT64: (-2**63, 2**63 - 1), F.TYPE_UINT64: (0, 2**64 - 1),
+                             }[params.DESCRIPTOR.fields_by_name[name].type]
+                parser.error(f"--{name.replace('_', '-')} {value}: out of range; it takes {low} to {high}")
     finish, usage = "", None
     with grpc.insecure_channel(args.address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)

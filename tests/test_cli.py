@@ -108,6 +108,16 @@ def test_serve_refuses_what_it_cannot_do(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["--seed", "-5"], "--seed -5: out of range; it takes 0 to 18446744073709551615"),
+    (["--max-tokens", "99999999999"], "--max-tokens 99999999999: out of range; it takes -2147483648 to 2147483647"),
+])
+def test_complete_refuses_a_number_its_request_cannot_hold_as_a_usage_error(argv, message, capsys):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["complete", "Hi", "--address", "127.0.0.1:1", *argv])
+    assert exited.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_an_engine_flag_of_several_values_reaches_the_worker_of_serve_all_whole(monkeypatch):
     specs = ["worker.length_temperature:LengthTemperature", "plugin:Other"]
     env = cli._engine_env(parse_serve(["--logits-processors", *specs], monkeypatch))
