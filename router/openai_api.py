@@ -65,7 +65,12 @@ def error_response(error: HttpError) -> web.Response:
     headers = {"Retry-After": str(math.ceil(error.retry_after_s))} if error.retry_after_s else {}
     if error.status == 401:     # RFC 9110: a 401 names the scheme it wants
         headers["WWW-Authenticate"] = "Bearer"
-    return web.json_response(error.json(), status=error.status, headers=headers)
+    response = web.json_response(error.json(), status=error.status, headers=headers)
+    if error.status in (413, 415):
+        # Refused before its body was read: the connection closes, or a client that waits to
+        # send the body, or sends the next request after it, would find the server reading on.
+        response.force_close()
+    return response
 
 
 async def _body_text(request: web.Request) -> str:

@@ -183,8 +183,10 @@ class Router:
                         metrics=lambda: generate_latest(self.registry))
         # A client that goes away cancels its handler, so its request is aborted on the worker
         # (or leaves the admission queue) at once; aiohttp would otherwise let it run to the end.
+        # A body refused unread (413) is read on for lingering_time before the connection
+        # closes, so the client sees the reply; aiohttp's 10 s would hold a waiting client.
         self._http = web.AppRunner(api.app(), access_log=None, handler_cancellation=True,
-                                   shutdown_timeout=self.config.shutdown_grace_s + 5)
+                                   shutdown_timeout=self.config.shutdown_grace_s + 5, lingering_time=2.0)
         await self._http.setup()
         site = web.TCPSite(self._http, self.config.host, self.config.http_port)
         await site.start()

@@ -266,8 +266,12 @@ def test_a_content_length_past_the_limit_is_413_before_any_body_is_sent(router):
     with socket.create_connection(("127.0.0.1", router.http_port), timeout=10) as raw:
         raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                     b"Authorization: Bearer " + API_KEY.encode() + b"\r\nContent-Length: 99999999999\r\n\r\n")
-        reply = raw.recv(4096).decode()
+        reply = b""
+        while chunk := raw.recv(4096):       # to the end: the server closes the connection
+            reply += chunk
+    reply = reply.decode()
     assert reply.startswith("HTTP/1.1 413") and "Content-Length 99999999999" in reply
+    assert "Connection: close" in reply
 
 
 def test_missing_or_wrong_api_key_is_401_and_health_stays_open(router, model):
