@@ -266,7 +266,7 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"checkpoint tensor {name!r} has shape {shape}, which does not fit "
                                  f"{target} of shape {tuple(params[target].shape)}")
             filled = loaded.setdefault(target, {})
-            if out_dim is None and filled and not torch.equal(dest, tensor.to(dest.dtype)):
+            if out_dim is None and filled and not torch.equal(dest, tensor.to(dest.device, dest.dtype)):
                 # One tensor for every part of a packed projection (an input order): they must agree.
                 raise ValueError(f"checkpoint tensor {name!r} differs from {next(iter(filled.values()))!r}, "
                                  f"but {target} holds one for all the projections packed into it")
