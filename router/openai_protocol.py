@@ -156,23 +156,24 @@ def string_list(values: list, name: str) -> list[str]:
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
-def _check_unicode(value, path: str) -> None:
-    """Refuses a lone UTF-16 surrogate in any string of `value`, a key too, naming where it is:
-    such a string is no Unicode text, and nothing past the parser could encode it."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            name = path or "the body"
-            raise HttpError(400, f"{name} is not valid Unicode text: it holds a lone UTF-16 surrogate",
-                            path or None) from None
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            _check_unicode(key, f"{path}.<key>" if path else "<key>")
-            _check_unicode(item, f"{path}.{key}" if path else key)
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            _check_unicode(item, f"{path}[{i}]")
+def _check_unicode(body: dict) -> None:
+    """Refuses a lone UTF-16 surrogate in any string of the body, a key too, naming where it is:
+    such a string is no Unicode text, and nothing past the parser could encode it. Walked with a
+    stack, not recursion: the body may be nested as deeply as the parser allowed."""
+    pending: list[tuple[str, object]] = [("<key>", key) for key in body] + list(body.items())
+    while pending:
+        path, value = pending.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise HttpError(400, f"{path} is not valid Unicode text: it holds a lone UTF-16 surrogate",
+                                path) from None
+        elif isinstance(value, dict):
+            pending += [(f"{path}.<key>", key) for key in value]
+            pending += [(f"{path}.{key}", item) for key, item in value.items()]
+        elif isinstance(value, list):
+            pending += [(f"{path}[{i}]", item) for i, item in enumerate(value)]
 
 
 
@@ -187,7 +188,7 @@ def parse_body(text: str) -> dict:
     if not isinstance(body, dict):
         raise HttpError(400, "the body must be a JSON object")
     if _SURROGATE_ESCAPE.search(text):
-        _check_unicode(body, "")
+        _check_unicode(body)
     return body
 
 

@@ -264,7 +264,7 @@ class EngineLoop:
                 continue
             request_id = out.request_id.split("/", 1)[1]
             if out.finish_reason == FinishReason.ERROR:
-                failed.append((session, out))
+                failed.append((session, request_id, out))
                 continue
             by_session.setdefault(session, []).append(_delta(request_id, out))
             record = self.records[out.request_id]
@@ -287,10 +287,9 @@ class EngineLoop:
         for session, key, request_id, reason in finished:
             self._forget(key, reason)
             session.send(_event(request_id, pb.EVENT_KIND_FINISHED))
-        for session, out in failed:
+        for session, request_id, out in failed:
             self._forget(out.request_id, "failed", out.error)
-            session.send(_event(out.request_id.split("/", 1)[1], pb.EVENT_KIND_FAILED, message=out.error,
-                                worker_fault=out.fault))
+            session.send(_event(request_id, pb.EVENT_KIND_FAILED, message=out.error, worker_fault=out.fault))
 
     def _observe_event(self, record: RequestRecord, event: EngineEvent, at: float) -> None:
         if event.kind == "admitted":

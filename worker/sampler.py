@@ -242,9 +242,9 @@ class SampledTokens:
     nothing (whose device id is still a valid one, since the next step may embed it)."""
 
     def __init__(self, token_ids: torch.Tensor, logprob_tensors: tuple[torch.Tensor, ...] | None,
-                 reported: torch.Tensor | None = None):
+                 reported: torch.Tensor):
         self.token_ids = token_ids
-        self._copies = _HostCopies((token_ids if reported is None else reported, *(logprob_tensors or ())))
+        self._copies = _HostCopies((reported, *(logprob_tensors or ())))
 
     def read(self) -> SampleResult:
         token_ids, *logprob_lists = self._copies.lists()
