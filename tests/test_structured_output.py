@@ -67,6 +67,43 @@ def test_a_json_object_is_any_object_and_nothing_else(engine, smollm_tokenizer, 
     assert (matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()) == follows
 
 
+def follows(engine, tokenizer, constraint: StructuredOutput, text: str) -> bool:
+    """Whether the whole of `text` is an output `constraint` accepts."""
+    matcher = engine.grammars.matcher(constraint)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()
+
+
+OPEN_ENDED = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+def test_an_object_schema_silent_on_other_properties_admits_none(engine, smollm_tokenizer):
+    """As vLLM's default engine and OpenAI's strict schemas read it: a tool's parameters
+    without `additionalProperties` are exactly its parameters."""
+    schema = StructuredOutput("json_schema", json.dumps({"type": "object", "properties": {"outer": OPEN_ENDED}}))
+    assert follows(engine, smollm_tokenizer, schema, '{"outer": {"a": 1}}')
+    assert not follows(engine, smollm_tokenizer, schema, '{"outer": {"a": 1, "b": 2}}')
+    assert not follows(engine, smollm_tokenizer, schema, '{"outer": {"a": 1}, "b": 2}')
+
+
+def test_an_object_schema_that_allows_other_properties_keeps_them(engine, smollm_tokenizer):
+    schema = StructuredOutput("json_schema", json.dumps(OPEN_ENDED | {"additionalProperties": True}))
+    assert follows(engine, smollm_tokenizer, schema, '{"a": 1, "b": 2}')
+
+
+def test_the_parts_of_an_all_of_stay_open_so_that_their_intersection_is_satisfiable(engine, smollm_tokenizer):
+    b = {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]}
+    schema = StructuredOutput("json_schema", json.dumps({"allOf": [OPEN_ENDED, {"$ref": "#/$defs/B"}], "$defs": {"B": b}}))
+    assert follows(engine, smollm_tokenizer, schema, '{"a": 1, "b": 2}')
+
+
+def test_a_property_named_properties_is_a_name_not_a_keyword(engine, smollm_tokenizer):
+    inner = {"type": "object", "properties": {"properties": {"type": "integer"}}, "required": ["properties"]}
+    schema = StructuredOutput("json_schema", json.dumps(inner))
+    assert follows(engine, smollm_tokenizer, schema, '{"properties": 3}')
+    assert not follows(engine, smollm_tokenizer, schema, '{"properties": 3, "additionalProperties": 4}')
+
+
 def test_regex_output_matches_the_whole_pattern(engine, chat_ids, smollm_tokenizer):
     pattern = r"[0-9]{3}-[0-9]{4} \((home|work)\)"
     params = constrained("regex", pattern, temperature=1.0, seed=7)
@@ -157,6 +194,7 @@ def test_output_tokens_that_break_the_grammar_are_refused(engine, chat_ids, smol
 
 @pytest.mark.parametrize("kind,spec,problem", [
     ("json_schema", '{"type": "objec"}', "Invalid type"),
+    ("json_schema", '{"items": ' * 5000 + "{}" + "}" * 5000, "nested too deeply"),
     ("regex", "a(b", "unclosed group"),
     ("grammar", "start: foo", "unknown name"),
 ])
