@@ -193,6 +193,51 @@ def test_an_unload_its_caller_gives_up_on_leaves_the_adapter_serving(workers, ad
     asyncio.run(scenario())
 
 
+@pytest.mark.parametrize("api", ["grpc", "http"])
+def test_a_request_for_an_adapter_being_unloaded_is_not_found_naming_it(workers, adapters, api):
+    """While an unload waits for the adapter's running request, the worker still reports the
+    adapter but refuses new requests under it: the client gets what an unknown adapter gets,
+    NOT_FOUND (HTTP 404) naming it, not a complaint about its own request."""
+    name = f"going-{api}"
+
+    async def refusal(stub, client) -> tuple[int | grpc.StatusCode, str]:
+        """Sends one-token requests under the adapter until one is refused (those the worker
+        takes before the unload reaches it run)."""
+        while True:
+            try:
+                if api == "grpc":
+                    await tokens(stub, pb.GenerateRequest(text=PROMPTS[1], lora_name=name,
+                                                          params=pb.SamplingParameters(max_tokens=1)))
+                else:
+                    await client.completions.create(model=name, prompt=PROMPTS[1], max_tokens=1)
+            except grpc.aio.AioRpcError as error:
+                return error.code(), error.details()
+            except openai.APIStatusError as error:
+                return error.status_code, error.message
+
+    async def scenario():
+        async with running_router(workers["holder"], workers["spare"], http_port=0) as router, \
+                grpc.aio.insecure_channel(router.address) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            client = openai.AsyncOpenAI(base_url=f"{router.http_address}/v1", api_key="none", max_retries=0)
+            await stub.LoadLoRAAdapter(pb.LoadLoRAAdapterRequest(lora_name=name, lora_path=adapters["poet"][0]))
+            running = asyncio.create_task(tokens(stub, pb.GenerateRequest(
+                text=PROMPTS[0], lora_name=name, params=pb.SamplingParameters(max_tokens=3 * LONG, ignore_eos=True))))
+            while not any(a.num_requests for w in router.fleet.workers.values()
+                          for a in w.lora_adapters().values() if a.name == name):
+                await asyncio.sleep(0.05)
+            unload = asyncio.ensure_future(stub.UnloadLoRAAdapter(pb.UnloadLoRAAdapterRequest(lora_name=name)))
+            refused = await refusal(stub, client)
+            # Refused by the worker mid-unload, not by the router once the adapter was gone.
+            assert not running.done() and not unload.done()
+            await unload
+            assert len(await running) == 3 * LONG
+            return refused
+    code, message = asyncio.run(scenario())
+    assert code == (grpc.StatusCode.NOT_FOUND if api == "grpc" else 404)
+    assert f"LoRA adapter {name!r} is being unloaded" in message
+
+
 def test_loading_a_broken_adapter_is_invalid_argument_naming_the_file(workers, tmp_path):
     (tmp_path / "adapter_config.json").write_text("{not json")
 
