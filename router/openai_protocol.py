@@ -206,8 +206,14 @@ def sampling_parameters(body: dict, *, chat: bool) -> pb.SamplingParameters:
     """OpenAI fields plus the gRPC API's extra sampling fields, type-checked; ranges are
     checked with the gRPC API's rules later."""
     p = pb.SamplingParameters()
-    max_tokens = body_field(body, "max_completion_tokens", (int,)) if chat else None
-    max_tokens = max_tokens if max_tokens is not None else body_field(body, "max_tokens", (int,))
+    max_tokens = body_field(body, "max_tokens", (int,))
+    completion_tokens = body_field(body, "max_completion_tokens", (int,)) if chat else None
+    if completion_tokens is not None:
+        # It wins, as in vLLM; a max_tokens beside it is still checked (the gRPC API's rule for a
+        # chat), or a bad one would pass unseen.
+        if max_tokens is not None and max_tokens < 1:
+            raise HttpError(400, f"max_tokens must be an integer >= 1, got {max_tokens}", "max_tokens")
+        max_tokens = completion_tokens
     if max_tokens is not None:
         p.max_tokens = max_tokens
     for name in ("temperature", "top_p", "repetition_penalty"):
