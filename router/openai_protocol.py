@@ -306,8 +306,9 @@ def structured_output(body: dict) -> pb.StructuredOutput | None:
     `json_object`: true). Whether it compiles is checked with the gRPC API's rules."""
     response_format = body_field(body, "response_format", (dict,), {})
     kind = response_format.get("type", "text")
-    constraints = body_field(body, "structured_outputs", (dict,), {})
-    if kind != "text" and constraints:
+    # Absent or null is no constraint; an object sent must set one (`{}` too, as in vLLM).
+    constraints = body_field(body, "structured_outputs", (dict,))
+    if kind != "text" and constraints is not None:
         raise HttpError(400, "give response_format or structured_outputs, not both", "structured_outputs")
     if kind == "json_object":
         return pb.StructuredOutput(json_object=True)
@@ -321,7 +322,7 @@ def structured_output(body: dict) -> pb.StructuredOutput | None:
     if kind != "text":
         raise HttpError(400, f"response_format type {json.dumps(kind)[:40]} is not supported: use "
                         "text, json_object or json_schema", "response_format.type")
-    if not constraints:
+    if constraints is None:
         return None
     given = [name for name in constraints if constraints[name] not in (None, False)]
     unknown = [name for name in given if name not in STRUCTURED_KINDS]

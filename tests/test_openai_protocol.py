@@ -291,6 +291,16 @@ def test_a_malformed_constraint_is_400_naming_it(served, body, param):
     assert error["status"] == 400 and error["param"] == param, error
 
 
+@pytest.mark.parametrize("constraints", [{}, {"json_object": False}, {"regex": None}])
+def test_structured_outputs_that_set_no_constraint_are_400(served, constraints):
+    """`{}` was taken as no constraint while `{"json_object": false}` was a 400; vLLM's
+    StructuredOutputsParams refuses none set, and the gRPC API an empty StructuredOutput and
+    json_object false alike."""
+    error = refusal({"model": MODEL, "messages": MESSAGES, "structured_outputs": constraints}, served, chat=True)
+    assert error["status"] == 400 and error["param"] == "structured_outputs"
+    assert error["message"].endswith("; it sets none")
+
+
 @pytest.mark.parametrize("body,param,problem", [
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "objec"}}}},
      "response_format.json_schema.schema", "Invalid type"),
