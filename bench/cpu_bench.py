@@ -13,13 +13,14 @@ import argparse
 import json
 import os
 import random
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+
+from report import current_commit  # noqa: E402
 
 WORDS = ("river mountain quietly engine bright harvest lantern story number garden window "
          "travel ancient signal winter market letter orange science careful machine ocean "
@@ -84,8 +85,7 @@ def main() -> None:
     args = parser.parse_args()
     prompts = make_prompts(args.requests)
     result = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "threads": torch.get_num_threads(),
-              "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                       text=True).stdout.strip(),
+              "commit": current_commit(),
               "dtype": args.dtype, "quantization": args.quantization,
               "engine": bench_engine(prompts, args.new_tokens, args.dtype, args.quantization)}
     print(f"pagedserve engine: {result['engine']['tokens_per_s']:.1f} output tokens/s "

@@ -10,7 +10,8 @@
 # opentelemetry-api/-sdk/-semantic-conventions, gguf, llguidance, and jsonschema with its
 # dependencies for the tests; at the versions of the local venv, for Python 3.12:
 # `pip download PKG --python-version 3.12 --only-binary=:all: -d .whl`). The copy
-# has no .git: pass PAGEDSERVE_COMMIT=$(git rev-parse --short HEAD) to name the commit.
+# has no .git: pass PAGEDSERVE_COMMIT=$(python3 bench/report.py --commit) to name the tree
+# (its commit, with -dirty when the working tree differs from it).
 # $OUT/benchmarks_section.md is the dated section for docs/BENCHMARKS.md (bench/report.py).
 set -u
 source "$(dirname "$0")/device_env.sh"

@@ -5,6 +5,9 @@
 
 Prints the section; `--append` also adds it to the file. The figures are the JSON's; what a
 reader must still be told (what limits a missed target) is for the person who ran it to add.
+
+Every benchmark's JSON names the tree that ran with `current_commit`; `python bench/report.py
+--commit` prints it, for PAGEDSERVE_COMMIT on a copy of the tree that runs elsewhere.
 """
 
 import argparse
@@ -18,14 +21,25 @@ TARGETS = {"w1": 10_000, "w2": 230, "w1_router_fraction": 0.90, "w3_tpot_p50_s":
 
 
 def current_commit() -> str:
-    """What the caller put in PAGEDSERVE_COMMIT, else the checkout's commit. The variable
-    wins: a tree copied to another machine may carry no .git, or a stale one (the device
-    machine's copy reported the session's first commit for every later run)."""
+    """The tree that runs, for a benchmark's JSON: what the caller put in PAGEDSERVE_COMMIT,
+    else the commit of the checkout this file is in, with "-dirty" when the tree differs from
+    it (edited or untracked files), else "unknown". The variable wins: the device machine runs
+    a copy of the working tree with no .git of its own, or a stale one (which reported the
+    session's first commit for every later run); a .git in a folder above the tree is another
+    checkout's, and naming its commit would name a tree that did not run."""
     if commit := os.environ.get("PAGEDSERVE_COMMIT"):
         return commit
-    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                         cwd=Path(__file__).resolve().parent)
-    return git.stdout.strip()
+    tree = Path(__file__).resolve().parent.parent
+
+    def git(*args: str) -> str | None:
+        run = subprocess.run(["git", *args], capture_output=True, text=True, cwd=tree)
+        return run.stdout.strip() if run.returncode == 0 else None
+    top = git("rev-parse", "--show-toplevel")
+    head = git("rev-parse", "--short", "HEAD")
+    status = git("status", "--porcelain")
+    if top is None or Path(top).resolve() != tree or head is None or status is None:
+        return "unknown"
+    return head + ("-dirty" if status else "")
 
 
 def verdict(met: bool, missed_by: float) -> str:
@@ -108,7 +122,12 @@ def main() -> None:
     parser.add_argument("--router", help="router_bench.py's JSON")
     parser.add_argument("--command", default="bash bench/h200.sh", help="what produced them")
     parser.add_argument("--append", help="a Markdown file to add the section to")
+    parser.add_argument("--commit", action="store_true",
+                        help="only print what names this tree (current_commit), for PAGEDSERVE_COMMIT on a copy")
     args = parser.parse_args()
+    if args.commit:
+        print(current_commit())
+        return
     load = lambda path: json.loads(Path(path).read_text()) if path and Path(path).exists() else None  # noqa: E731
     gpu, router = load(args.gpu), load(args.router)
     if gpu is None and router is None:

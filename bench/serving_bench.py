@@ -23,6 +23,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 from cpu_bench import make_prompts  # noqa: E402
+from report import current_commit  # noqa: E402
 
 
 def summary(ttfts: list[float], tokens: int, seconds: float, requests: int) -> dict:
@@ -106,8 +107,7 @@ def main() -> None:
     args = parser.parse_args()
     prompts = make_prompts(args.requests, seed=1)
     result = {"date": time.strftime("%Y-%m-%d"), "requests": args.requests, "max_tokens": args.max_tokens,
-              "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                       text=True, cwd=REPO).stdout.strip()}
+              "commit": current_commit()}
     result["engine"] = engine_alone(prompts, args.max_tokens)
     print("engine alone", json.dumps(result["engine"]), flush=True)
 

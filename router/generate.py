@@ -298,11 +298,14 @@ class GenerateRun:
             else:
                 self._maybe_migrate(choice, worker)
         elif event.kind == worker_pb2.EVENT_KIND_FAILED:
-            # The worker judged the request (a bad field, too long for it), or broke with it.
-            if not event.worker_fault:
-                raise invalid_argument(f"the worker refused the request: {event.message}")
-            raise ApiError(grpc.StatusCode.INTERNAL,
-                           f"worker {worker.worker_id} failed the request: {event.message}")
+            # The worker judged the request (a bad field, too long for it), found it names what
+            # it does not hold (an adapter being unloaded: NOT_FOUND), or broke with it.
+            if event.worker_fault:
+                raise ApiError(grpc.StatusCode.INTERNAL,
+                               f"worker {worker.worker_id} failed the request: {event.message}")
+            if event.status_code == grpc.StatusCode.NOT_FOUND.value[0]:
+                raise ApiError(grpc.StatusCode.NOT_FOUND, event.message)
+            raise invalid_argument(f"the worker refused the request: {event.message}")
         else:  # ADMITTED, RESUMED, FINISHED
             choice.on_gpu = event.kind != worker_pb2.EVENT_KIND_FINISHED
             log.debug("choice %s", worker_pb2.EventKind.Name(event.kind).removeprefix(

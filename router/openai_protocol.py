@@ -206,8 +206,14 @@ def sampling_parameters(body: dict, *, chat: bool) -> pb.SamplingParameters:
     """OpenAI fields plus the gRPC API's extra sampling fields, type-checked; ranges are
     checked with the gRPC API's rules later."""
     p = pb.SamplingParameters()
-    max_tokens = body_field(body, "max_completion_tokens", (int,)) if chat else None
-    max_tokens = max_tokens if max_tokens is not None else body_field(body, "max_tokens", (int,))
+    max_tokens = body_field(body, "max_tokens", (int,))
+    completion_tokens = body_field(body, "max_completion_tokens", (int,)) if chat else None
+    if completion_tokens is not None:
+        # It wins, as in vLLM; a max_tokens beside it is still checked (the gRPC API's rule for a
+        # chat), or a bad one would pass unseen.
+        if max_tokens is not None and max_tokens < 1:
+            raise HttpError(400, f"max_tokens must be an integer >= 1, got {max_tokens}", "max_tokens")
+        max_tokens = completion_tokens
     if max_tokens is not None:
         p.max_tokens = max_tokens
     for name in ("temperature", "top_p", "repetition_penalty"):
@@ -300,8 +306,9 @@ def structured_output(body: dict) -> pb.StructuredOutput | None:
     `json_object`: true). Whether it compiles is checked with the gRPC API's rules."""
     response_format = body_field(body, "response_format", (dict,), {})
     kind = response_format.get("type", "text")
-    constraints = body_field(body, "structured_outputs", (dict,), {})
-    if kind != "text" and constraints:
+    # Absent or null is no constraint; an object sent must set one (`{}` too, as in vLLM).
+    constraints = body_field(body, "structured_outputs", (dict,))
+    if kind != "text" and constraints is not None:
         raise HttpError(400, "give response_format or structured_outputs, not both", "structured_outputs")
     if kind == "json_object":
         return pb.StructuredOutput(json_object=True)
@@ -315,7 +322,7 @@ def structured_output(body: dict) -> pb.StructuredOutput | None:
     if kind != "text":
         raise HttpError(400, f"response_format type {json.dumps(kind)[:40]} is not supported: use "
                         "text, json_object or json_schema", "response_format.type")
-    if not constraints:
+    if constraints is None:
         return None
     given = [name for name in constraints if constraints[name] not in (None, False)]
     unknown = [name for name in given if name not in STRUCTURED_KINDS]

@@ -1,5 +1,6 @@
 """Small helpers shared by the tests."""
 
+import json
 import math
 import os
 import subprocess
@@ -126,6 +127,20 @@ def save_tiny_llama(path, **shape):
     model = tiny_llama(**shape)
     model.save_pretrained(path)
     return model
+
+
+def overflowing_adapter(path, cfg) -> str:
+    """A PEFT adapter of finite weights (so the reader takes it) whose delta overflows float32:
+    its requests' hidden states become infinite at layer 0 and their logits NaN, as a broken
+    fine-tune's would. One rank on layer 0's o_proj; base tokens never meet its B."""
+    from safetensors.torch import save_file
+    (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 1, "lora_alpha": 1,
+                                                          "target_modules": ["o_proj"]}))
+    prefix = "base_model.model.model.layers.0.self_attn.o_proj"
+    save_file({f"{prefix}.lora_A.weight": torch.full((1, cfg.num_heads * cfg.head_dim), 1e10),
+               f"{prefix}.lora_B.weight": torch.full((cfg.hidden_size, 1), 1e30)},
+              str(path / "adapter_model.safetensors"))
+    return str(path)
 
 
 def save_byte_level_tokenizer(path, vocab_size: int = 512) -> None:

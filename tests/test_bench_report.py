@@ -1,9 +1,15 @@
 """bench/report.py: the benchmarks' JSON becomes a BENCHMARKS.md section with honest verdicts."""
 
+import os
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+import pytest
+
+REPORT = Path(__file__).resolve().parent.parent / "bench" / "report.py"
+sys.path.insert(0, str(REPORT.parent))
 
 from report import section  # noqa: E402
 
@@ -46,3 +52,50 @@ def test_commit_named_by_the_caller_wins_over_the_checkout(monkeypatch):
     from report import current_commit
     monkeypatch.setenv("PAGEDSERVE_COMMIT", "feed123")
     assert current_commit() == "feed123"
+
+
+def git(tree: Path, *args: str) -> str:
+    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false",
+                           *args], cwd=tree, check=True, capture_output=True, text=True).stdout.strip()
+
+
+def checkout_with_the_report(tree: Path) -> Path:
+    """`tree` made a git checkout whose one commit holds bench/report.py."""
+    (tree / "bench").mkdir(parents=True)
+    shutil.copy(REPORT, tree / "bench" / "report.py")
+    git(tree, "init", "-q")
+    git(tree, "add", ".")
+    git(tree, "commit", "-q", "-m", "first")
+    return tree
+
+
+def commit_named(tree: Path) -> str:
+    """What current_commit() of the report.py in tree/bench gives, with no PAGEDSERVE_COMMIT."""
+    env = {k: v for k, v in os.environ.items() if k != "PAGEDSERVE_COMMIT"}
+    return subprocess.run([sys.executable, "-c", "from report import current_commit; print(current_commit())"],
+                          cwd=tree / "bench", env=env, check=True, capture_output=True, text=True).stdout.strip()
+
+
+def test_a_clean_checkout_is_named_by_its_commit(tmp_path):
+    tree = checkout_with_the_report(tmp_path / "repo")
+    assert commit_named(tree) == git(tree, "rev-parse", "--short", "HEAD")
+
+
+@pytest.mark.parametrize("change", ["edited", "untracked"])
+def test_a_tree_that_differs_from_its_commit_is_named_dirty(tmp_path, change):
+    tree = checkout_with_the_report(tmp_path / "repo")
+    if change == "edited":
+        (tree / "bench" / "report.py").write_text((tree / "bench" / "report.py").read_text() + "\n")
+    else:
+        (tree / "new.py").write_text("")
+    assert commit_named(tree) == git(tree, "rev-parse", "--short", "HEAD") + "-dirty"
+
+
+def test_a_copied_tree_inside_another_checkout_is_unknown_not_that_checkouts_commit(tmp_path):
+    """The device machine runs a copy of the working tree without .git: a .git above it is
+    another checkout's."""
+    outer = checkout_with_the_report(tmp_path / "outer")
+    copy = outer / "copy"
+    (copy / "bench").mkdir(parents=True)
+    shutil.copy(REPORT, copy / "bench" / "report.py")
+    assert commit_named(copy) == "unknown"

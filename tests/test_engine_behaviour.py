@@ -3,7 +3,7 @@
 import time
 
 import pytest
-from helpers import LONG_STORY, PROMPTS, generate, generate_with_a_swap, greedy
+from helpers import LONG_STORY, PROMPTS, generate, generate_with_a_swap, greedy, overflowing_adapter
 
 from common.sampling_params import InvalidRequest, SamplingParams, choice_seed
 from worker.sequence import FinishReason
@@ -387,3 +387,34 @@ def test_recompute_preemption_in_a_tiny_pool_always_progresses(make_engine, asyn
     assert got == roomy
     assert engine.stats().preemptions["recompute"] > 0
     assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_request_whose_logits_are_nan_fails_as_the_workers_fault_and_spares_its_batch(
+        smollm_source, smollm_weights, ids, tmp_path, async_scheduling):
+    """A real adapter whose delta overflows makes only its request's logits NaN (no mock of
+    the sampler): that request fails, every choice, with the worker at fault (clients: INTERNAL),
+    while a base-model request in the same steps draws what it draws alone."""
+    import copy
+    from worker.config import EngineConfig
+    from worker.engine import LLMEngine
+    from worker.models.lora_checkpoint import read_lora_adapter
+    cfg, model = smollm_weights
+    # A copy: serving adapters folds their A rows into the base weights.
+    engine = LLMEngine(EngineConfig(model="default", device="cpu", dtype="float32", num_blocks=128,
+                                    enable_lora=True, async_scheduling=async_scheduling),
+                       smollm_source, (cfg, copy.deepcopy(model)))
+    engine.add_lora(read_lora_adapter("overflow", overflowing_adapter(tmp_path, cfg), cfg, 16))
+    alone = generate(engine, [ids[0]], greedy(6, ignore_eos=True))["r0"]
+    engine.add_request("base", ids[0], greedy(6, ignore_eos=True))
+    engine.add_request("broken", ids[1], sampled(seed=1, n=2), lora_name="overflow")
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    broken = [o for o in outputs if o.request_id == "broken"]
+    # Every choice of the request ends, each with the error, none with a token.
+    assert [(o.index, o.new_token_ids, o.finish_reason, o.fault) for o in broken] == \
+        [(0, [], FinishReason.ERROR, True), (1, [], FinishReason.ERROR, True)]
+    assert {o.error for o in broken} == {"the model computed NaN logits under LoRA adapter 'overflow' at output token 0"}
+    assert [[t for o in outputs if o.request_id == "base" for t in o.new_token_ids]] == alone
+    assert engine.blocks.num_free == engine.blocks.num_blocks and engine.lora_in_use("overflow") == 0

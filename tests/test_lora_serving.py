@@ -16,6 +16,7 @@ import torch
 
 from common.pb import generation_pb2 as pb
 from common.pb import generation_pb2_grpc
+from helpers import overflowing_adapter
 from router_harness import running_router
 from worker_process import WorkerProcess
 
@@ -191,6 +192,81 @@ def test_an_unload_its_caller_gives_up_on_leaves_the_adapter_serving(workers, ad
             again = await tokens(stub, greedy(PROMPTS[0], lora_name="kept"))      # the adapter's, as peft's
             assert len(again) == MAX_TOKENS and again == expected["poet", PROMPTS[0]][:MAX_TOKENS]
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("api", ["grpc", "http"])
+def test_a_request_for_an_adapter_being_unloaded_is_not_found_naming_it(workers, adapters, api):
+    """While an unload waits for the adapter's running request, the worker still reports the
+    adapter but refuses new requests under it: the client gets what an unknown adapter gets,
+    NOT_FOUND (HTTP 404) naming it, not a complaint about its own request."""
+    name = f"going-{api}"
+
+    async def refusal(stub, client) -> tuple[int | grpc.StatusCode, str]:
+        """Sends one-token requests under the adapter until one is refused (those the worker
+        takes before the unload reaches it run)."""
+        while True:
+            try:
+                if api == "grpc":
+                    await tokens(stub, pb.GenerateRequest(text=PROMPTS[1], lora_name=name,
+                                                          params=pb.SamplingParameters(max_tokens=1)))
+                else:
+                    await client.completions.create(model=name, prompt=PROMPTS[1], max_tokens=1)
+            except grpc.aio.AioRpcError as error:
+                return error.code(), error.details()
+            except openai.APIStatusError as error:
+                return error.status_code, error.message
+
+    async def scenario():
+        async with running_router(workers["holder"], workers["spare"], http_port=0) as router, \
+                grpc.aio.insecure_channel(router.address) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            client = openai.AsyncOpenAI(base_url=f"{router.http_address}/v1", api_key="none", max_retries=0)
+            await stub.LoadLoRAAdapter(pb.LoadLoRAAdapterRequest(lora_name=name, lora_path=adapters["poet"][0]))
+            running = asyncio.create_task(tokens(stub, pb.GenerateRequest(
+                text=PROMPTS[0], lora_name=name, params=pb.SamplingParameters(max_tokens=3 * LONG, ignore_eos=True))))
+            while not any(a.num_requests for w in router.fleet.workers.values()
+                          for a in w.lora_adapters().values() if a.name == name):
+                await asyncio.sleep(0.05)
+            unload = asyncio.ensure_future(stub.UnloadLoRAAdapter(pb.UnloadLoRAAdapterRequest(lora_name=name)))
+            refused = await refusal(stub, client)
+            # Refused by the worker mid-unload, not by the router once the adapter was gone.
+            assert not running.done() and not unload.done()
+            await unload
+            assert len(await running) == 3 * LONG
+            return refused
+    code, message = asyncio.run(scenario())
+    assert code == (grpc.StatusCode.NOT_FOUND if api == "grpc" else 404)
+    assert f"LoRA adapter {name!r} is being unloaded" in message
+
+
+def test_an_adapter_that_makes_nan_logits_fails_its_request_as_internal_and_the_worker_serves_on(
+        workers, smollm_weights, expected, tmp_path):
+    """An adapter whose finite weights overflow makes its requests' logits NaN on the worker:
+    the worker is at fault, not the request, so the client gets INTERNAL (HTTP 500) saying
+    why, and the worker goes on serving (the engine-level test checks its batch is spared)."""
+    path = overflowing_adapter(tmp_path, smollm_weights[0])
+
+    async def scenario():
+        async with running_router(workers["holder"], workers["spare"], http_port=0) as router, \
+                grpc.aio.insecure_channel(router.address) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            client = openai.AsyncOpenAI(base_url=f"{router.http_address}/v1", api_key="none", max_retries=0)
+            await stub.LoadLoRAAdapter(pb.LoadLoRAAdapterRequest(lora_name="overflow", lora_path=path))
+            try:
+                with pytest.raises(grpc.aio.AioRpcError) as over_grpc:
+                    await tokens(stub, greedy(PROMPTS[0], lora_name="overflow"))
+                with pytest.raises(openai.InternalServerError) as over_http:
+                    await client.completions.create(model="overflow", prompt=PROMPTS[0], max_tokens=2)
+                after = await asyncio.gather(*(tokens(stub, greedy(PROMPTS[0], lora_name=name))
+                                               for name in ("sql", "")))
+            finally:
+                await stub.UnloadLoRAAdapter(pb.UnloadLoRAAdapterRequest(lora_name="overflow"))
+            return over_grpc.value, over_http.value, after
+    over_grpc, over_http, after = asyncio.run(scenario())
+    why = "the model computed NaN logits under LoRA adapter 'overflow' at output token 0"
+    assert over_grpc.code() == grpc.StatusCode.INTERNAL and why in over_grpc.details()
+    assert over_http.status_code == 500 and why in over_http.message
+    assert after == [expected["sql", PROMPTS[0]][:MAX_TOKENS], expected[None, PROMPTS[0]][:MAX_TOKENS]]
 
 
 def test_loading_a_broken_adapter_is_invalid_argument_naming_the_file(workers, tmp_path):

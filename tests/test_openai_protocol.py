@@ -183,6 +183,20 @@ def test_chat_errors_name_the_fields_the_client_sent(served):
     assert refusal(body | {"max_completion_tokens": 0}, served, chat=True)["param"] == "max_completion_tokens"
 
 
+@pytest.mark.parametrize("max_tokens", [-1, 0, "many", 2**31])
+def test_an_invalid_max_tokens_beside_max_completion_tokens_is_400_naming_it(served, max_tokens):
+    body = {"model": MODEL, "messages": MESSAGES, "max_completion_tokens": 8, "max_tokens": max_tokens}
+    error = refusal(body, served, chat=True)
+    assert error["status"] == 400 and error["param"] == "max_tokens"
+    assert error["message"].startswith("max_tokens")
+
+
+def test_max_completion_tokens_wins_over_a_valid_max_tokens_beside_it():
+    body = {"model": MODEL, "messages": MESSAGES, "max_completion_tokens": 8, "max_tokens": 100}
+    [request] = generate_requests(body, chat=True, request_id="r")
+    assert request.params.max_tokens == 8
+
+
 def test_an_error_about_one_prompt_of_a_batch_names_it(served):
     error = refusal(completion(prompt=["Hi", "x " * 9000], max_tokens=2), served)
     assert error["status"] == 400 and error["param"] == "prompt[1]"
@@ -275,6 +289,16 @@ def test_completions_take_structured_outputs_too():
 def test_a_malformed_constraint_is_400_naming_it(served, body, param):
     error = refusal({"model": MODEL, "messages": MESSAGES} | body, served, chat=True)
     assert error["status"] == 400 and error["param"] == param, error
+
+
+@pytest.mark.parametrize("constraints", [{}, {"json_object": False}, {"regex": None}])
+def test_structured_outputs_that_set_no_constraint_are_400(served, constraints):
+    """`{}` was taken as no constraint while `{"json_object": false}` was a 400; vLLM's
+    StructuredOutputsParams refuses none set, and the gRPC API an empty StructuredOutput and
+    json_object false alike."""
+    error = refusal({"model": MODEL, "messages": MESSAGES, "structured_outputs": constraints}, served, chat=True)
+    assert error["status"] == 400 and error["param"] == "structured_outputs"
+    assert error["message"].endswith("; it sets none")
 
 
 @pytest.mark.parametrize("body,param,problem", [

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import grpc
 from opentelemetry.trace import Span, SpanKind
 
 from common import tracing
@@ -29,7 +30,7 @@ from common.metrics import WorkerMetrics
 from common.pb import worker_pb2 as pb
 from common.sampling_params import InvalidRequest
 from worker import faults
-from worker.engine import EngineEvent, EngineStats, LLMEngine, RequestOutput
+from worker.engine import EngineEvent, EngineStats, LLMEngine, LoRANotFound, RequestOutput
 from worker.scheduler import RECOMPUTE
 from worker.sequence import FinishReason
 from worker.step_log import StepLog
@@ -108,9 +109,11 @@ def _delta(request_id: str, out: RequestOutput) -> pb.RequestDelta:
 
 
 def _event(request_id: str, kind: int, mode: str | None = None, message: str = "",
-           worker_fault: bool = False, hand_back: int = pb.HAND_BACK_UNSPECIFIED) -> pb.WorkerMessage:
+           worker_fault: bool = False, hand_back: int = pb.HAND_BACK_UNSPECIFIED,
+           status_code: grpc.StatusCode | None = None) -> pb.WorkerMessage:
     return pb.WorkerMessage(event=pb.Event(request_id=request_id, kind=kind, mode=PREEMPTION_MODES.get(mode, 0), message=message,
-                                           worker_fault=worker_fault, hand_back=hand_back))
+                                           worker_fault=worker_fault, hand_back=hand_back,
+                                           status_code=status_code.value[0] if status_code is not None else 0))
 
 
 def _handed_back(request_id: str, message: str, fault: bool) -> pb.WorkerMessage:
@@ -367,7 +370,10 @@ class EngineLoop:
                                     output_token_ids=list(msg.output_token_ids),
                                     lora_name=msg.lora_name or None)
         except InvalidRequest as e:
-            session.send(_event(msg.request_id, pb.EVENT_KIND_FAILED, message=str(e)))
+            # An adapter it does not hold (or is unloading) is the client's NOT_FOUND, as for one
+            # the router never knew: the request itself is not at fault.
+            code = grpc.StatusCode.NOT_FOUND if isinstance(e, LoRANotFound) else grpc.StatusCode.INVALID_ARGUMENT
+            session.send(_event(msg.request_id, pb.EVENT_KIND_FAILED, message=str(e), status_code=code))
             self._close_record(record, "failed", str(e))
             return 0
         self.owner[key] = session
