@@ -41,11 +41,20 @@ def grammar_of(constraint: StructuredOutput) -> str:
     return llguidance.grammar_from("grammar", spec)       # Lark, or GBNF (converted)
 
 
-# Keywords whose value is one subschema, a list of them, or a map of names to them.
-_SUBSCHEMA = ("additionalProperties", "items", "contains", "not", "if", "then", "else", "propertyNames",
-              "unevaluatedItems", "unevaluatedProperties", "additionalItems")
-_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+# Keywords whose subschemas describe other values than the object itself: its properties'
+# values, its items, the keys' names; one subschema, or a map of names to them. ($defs are
+# reached through $ref, mostly as such values.)
+_CHILD = ("additionalProperties", "items", "contains", "propertyNames", "unevaluatedItems",
+          "unevaluatedProperties", "additionalItems")
+_CHILD_LISTS = ("prefixItems",)
+_CHILD_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+# Keywords whose subschemas describe the same value as their parent, as a condition or a part.
+_IN_PLACE = ("not", "if", "then", "else")
+_IN_PLACE_LISTS = ("allOf", "anyOf", "oneOf")
+_IN_PLACE_MAPS = ("dependentSchemas",)
+# An object schema with any of these keeps JSON Schema's default: it says what other keys may
+# come, or has parts that may list them (`additionalProperties: false` sees only its own).
+_OPEN_KEYS = ("additionalProperties", "unevaluatedProperties") + _IN_PLACE + _IN_PLACE_LISTS + _IN_PLACE_MAPS
 
 
 def closed_objects(schema):
@@ -54,46 +63,55 @@ def closed_objects(schema):
     mode) and OpenAI's strict schemas treat them. JSON Schema's own default admits any other
     key, and a small model given a tool's parameters then invents keys until `max_tokens`
     (a LangChain `with_structured_output(method="function_calling")` got none back). A schema
-    that sets `additionalProperties` (or `unevaluatedProperties`) keeps what it says. The parts
-    of an `allOf` of several are left open, and the root definitions they `$ref`: each lists
-    only its own properties, and closing them would refuse every object holding another part's.
-    Changes `schema`."""
+    that sets `additionalProperties` (or `unevaluatedProperties`) keeps what it says.
+
+    Only a schema that describes a whole object, alone, is closed. One that describes part of
+    it, or a condition on it, stays open (and so do the root definitions it `$ref`s): the parts
+    of an `allOf` of several, the `anyOf` / `oneOf` branches beside properties of their parent,
+    `if` / `then` / `else` / `not` / `dependentSchemas`; so does a schema that has such parts.
+    Closing those would refuse every object holding a key that another part lists. Changes
+    `schema`."""
     nodes = list(_subschemas(schema))
-    refs = {node["$ref"] for node, in_all_of in nodes if in_all_of and isinstance(node.get("$ref"), str)}
-    left_open = {id(node) for node, in_all_of in nodes if in_all_of}
+    refs = {node["$ref"] for node, part in nodes if part and isinstance(node.get("$ref"), str)}
+    left_open = {id(node) for node, part in nodes if part}
     for root in ("$defs", "definitions"):
         definitions = schema.get(root) if isinstance(schema, dict) else None
         if isinstance(definitions, dict):
             left_open |= {id(d) for name, d in definitions.items() if f"#/{root}/{name}" in refs}
     for node, _ in nodes:
         if (id(node) not in left_open and ("properties" in node or "patternProperties" in node)
-                and "additionalProperties" not in node and "unevaluatedProperties" not in node):
+                and not any(key in node for key in _OPEN_KEYS)):
             node["additionalProperties"] = False
     return schema
 
 
 def _subschemas(schema):
-    """Each subschema of `schema` (itself included), with whether it is a part of an `allOf`
-    of several. Follows the schema's keywords, not every dict, so that a property named
-    "properties" is read as a name."""
+    """Each subschema of `schema` (itself included), with whether it describes only part of an
+    object (`closed_objects`). Follows the schema's keywords, not every dict, so that a
+    property named "properties" is read as a name."""
     stack = [(schema, False)]
     while stack:
-        node, in_all_of = stack.pop()
+        node, part = stack.pop()
         if not isinstance(node, dict):
             continue
-        yield node, in_all_of
-        for key in _SUBSCHEMA:
-            value = node.get(key)
-            stack.extend((item, False) for item in (value if isinstance(value, list) else [value]))
-        for key in _SUBSCHEMA_LISTS:
+        yield node, part
+        lists_properties = "properties" in node or "patternProperties" in node
+        for keys, is_part in ((_CHILD, False), (_IN_PLACE, True)):
+            for key in keys:
+                value = node.get(key)     # (`items` may be a list: the old tuple form)
+                stack.extend((item, is_part) for item in (value if isinstance(value, list) else [value]))
+        for keys, is_part in ((_CHILD_MAPS, False), (_IN_PLACE_MAPS, True)):
+            for key in keys:
+                value = node.get(key)
+                if isinstance(value, dict):
+                    stack.extend((item, is_part) for item in value.values())
+        for key in _CHILD_LISTS + _IN_PLACE_LISTS:
             value = node.get(key)
             if isinstance(value, list):
-                several = key == "allOf" and len(value) > 1
-                stack.extend((item, several) for item in value)
-        for key in _SUBSCHEMA_MAPS:
-            value = node.get(key)
-            if isinstance(value, dict):
-                stack.extend((item, False) for item in value.values())
+                # A branch of a union describes the whole object unless its parent lists
+                # properties of its own; the parts of an allOf of several never do.
+                is_part = key in _IN_PLACE_LISTS and (lists_properties or (key == "allOf" and len(value) > 1))
+                stack.extend((item, is_part) for item in value)
 
 
 @functools.lru_cache(maxsize=256)

@@ -97,6 +97,19 @@ def test_the_parts_of_an_all_of_stay_open_so_that_their_intersection_is_satisfia
     assert follows(engine, smollm_tokenizer, schema, '{"a": 1, "b": 2}')
 
 
+def test_the_branches_beside_a_schema_s_own_properties_stay_open_and_so_does_it(engine, smollm_tokenizer):
+    schema = StructuredOutput("json_schema", json.dumps(OPEN_ENDED | {"anyOf": [
+        {"properties": {"b": {"type": "integer"}}, "required": ["b"]}, {"required": ["a"]}]}))
+    assert follows(engine, smollm_tokenizer, schema, '{"a": 1, "b": 2}')
+
+
+def test_the_branches_of_a_union_of_objects_are_closed(engine, smollm_tokenizer):
+    b = {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]}
+    schema = StructuredOutput("json_schema", json.dumps({"anyOf": [OPEN_ENDED, b]}))
+    assert follows(engine, smollm_tokenizer, schema, '{"b": 2}')
+    assert not follows(engine, smollm_tokenizer, schema, '{"b": 2, "c": 3}')
+
+
 def test_a_property_named_properties_is_a_name_not_a_keyword(engine, smollm_tokenizer):
     inner = {"type": "object", "properties": {"properties": {"type": "integer"}}, "required": ["properties"]}
     schema = StructuredOutput("json_schema", json.dumps(inner))
