@@ -269,3 +269,14 @@ def test_a_failed_request_frees_its_blocks_and_leaves_its_batch_neighbours_uncha
     assert [o.new_token_ids for o in together["free"]] == [o.new_token_ids for o in alone]
     assert together["wide"][-1].finish_reason == FinishReason.ERROR
     assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_a_literal_spelling_a_special_token_is_generated_as_text(engine, chat_ids, smollm_tokenizer):
+    """The grammar's "<|im_end|>" is text: the special token (the end of a chat turn) must not
+    stand in for it, nor end the output before the rest of the literal."""
+    pattern = r"Done<\|im_end\|> (yes|no)"
+    engine.add_request("r", chat_ids("Finished?"), constrained("regex", pattern))
+    outputs = [o for _ in range(60) for o in engine.step()]
+    tokens = [t for o in outputs for t in o.new_token_ids]
+    assert smollm_tokenizer.convert_tokens_to_ids("<|im_end|>") not in tokens[:-1]
+    assert re.fullmatch(pattern, smollm_tokenizer.decode(tokens, skip_special_tokens=True))

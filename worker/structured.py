@@ -14,6 +14,7 @@ device (`worker.sampler`).
 
 from __future__ import annotations
 
+import copy
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -43,7 +44,7 @@ class Grammars:
     def use_tokenizer(self, hf_tokenizer) -> None:
         """Builds the grammar engine's view of the tokenizer now (about 0.3 s for a 50k
         vocabulary), from a tokenizer already loaded, instead of on the first constraint."""
-        self._tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=self.vocab_size)
+        self._tokenizer = grammar_tokenizer(hf_tokenizer, self.vocab_size)
 
     def matcher(self, constraint: StructuredOutput) -> llguidance.LLMatcher:
         """A fresh matcher for `constraint`; raises InvalidRequest naming what does not compile."""
@@ -100,6 +101,37 @@ class Grammars:
             if first[id(matcher)] != row:
                 mask[row] = mask[first[id(matcher)]]
         return mask
+
+
+def grammar_tokenizer(hf_tokenizer, vocab_size: int) -> llguidance.LLTokenizer:
+    """llguidance's view of a (fast) Hugging Face tokenizer, which tokenizes text that spells a
+    special token ("<|im_end|>") as text.
+
+    llguidance keeps special tokens apart from text: none of them matches a literal of the
+    grammar. But `llguidance.hf.from_tokenizer` tokenizes the text a grammar forces with the
+    tokenizer as given, which reads "<|im_end|>" as the special token: a grammar forcing that
+    literal would offer only a token it then refuses, and the output would end there. So the
+    token table is taken from it, and forced text is tokenized by `_TextTokenizer`."""
+    table = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size)
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_TextTokenizer(table, hf_tokenizer)),
+                                  n_vocab=vocab_size)
+
+
+class _TextTokenizer:
+    """What `llguidance.TokenizerWrapper` reads: each token's bytes, which are special, and a
+    tokenizer that splits special tokens' text like any other (called from the threads of the
+    mask computation, which take the GIL for it)."""
+
+    def __init__(self, table: llguidance.LLTokenizer, hf_tokenizer) -> None:
+        self.eos_token_id = table.eos_token
+        self.bos_token_id = hf_tokenizer.bos_token_id
+        self.tokens = [table.decode_bytes([token]) for token in range(table.vocab_size)]
+        self.special_token_ids = [t for t in range(table.vocab_size) if table.is_special_token(t)]
+        self._split = copy.copy(hf_tokenizer.backend_tokenizer)
+        self._split.encode_special_tokens = True
+
+    def __call__(self, text: str) -> list[int]:
+        return self._split.encode(text, add_special_tokens=False).ids
 
 
 def consume(matcher: llguidance.LLMatcher, tokens: list[int]) -> None:
