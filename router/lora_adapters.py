@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import posixpath
 
 import grpc
 
@@ -43,7 +44,8 @@ class LoRAAdapters:
             raise invalid_argument(f"lora_name {request.lora_name!r} is the base model's name: an adapter "
                                    "needs a name of its own", "lora_name")
         known = self._fleet.lora_path(request.lora_name)
-        if known and known != request.lora_path:
+        # Compared as paths, not strings: "/a/b/" and "/a/./b" name the adapter at "/a/b".
+        if known and posixpath.normpath(known) != posixpath.normpath(request.lora_path):
             # Workers holding the first would serve it under the name while others load the second.
             raise invalid_argument(f"LoRA adapter {request.lora_name!r} is already loaded from {known!r}; "
                                    "unload it before loading another adapter under its name", "lora_name")

@@ -308,6 +308,23 @@ def test_loading_under_the_base_models_name_or_a_loaded_adapters_name_is_refused
     assert refusals[1][1].startswith(f"LoRA adapter {loaded.name!r} is already loaded from {loaded.path!r}")
 
 
+def test_loading_a_loaded_adapter_again_by_another_spelling_of_its_path_is_accepted(workers, adapters):
+    async def scenario():
+        async with running_router(workers["holder"], workers["spare"]) as router, \
+                grpc.aio.insecure_channel(router.address) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            path = adapters["poet"][0]
+            await stub.LoadLoRAAdapter(pb.LoadLoRAAdapterRequest(lora_name="respelled", lora_path=path))
+            try:
+                head, tail = path.rsplit("/", 1)
+                again = await stub.LoadLoRAAdapter(pb.LoadLoRAAdapterRequest(
+                    lora_name="respelled", lora_path=f"{head}/./{tail}/"))
+            finally:
+                await stub.UnloadLoRAAdapter(pb.UnloadLoRAAdapterRequest(lora_name="respelled"))
+            return again.adapter.name
+    assert asyncio.run(scenario()) == "respelled"
+
+
 def test_an_adapter_request_whose_worker_dies_finishes_on_a_worker_that_loads_it(adapters, expected):
     common = ["--model", "default", "--device", "cpu", "--dtype", "float32", "--enable-lora", "--async-scheduling"]
     victim = WorkerProcess(["--worker-id", "victim", *common, "--lora-modules", f"sql={adapters['sql'][0]}"],
