@@ -42,6 +42,17 @@ class ApiError(Exception):
         return (("retry-after", str(math.ceil(self.retry_after_s))),)
 
 
+# gRPC status codes by number, as a worker's Event.status_code carries them.
+_STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def refusal_code(number: int) -> grpc.StatusCode:
+    """The status a client sees for a worker's refusal (Event.status_code): the code it names,
+    INVALID_ARGUMENT where it names none (0), OK or a number gRPC does not define."""
+    code = _STATUS_BY_NUMBER.get(number, grpc.StatusCode.INVALID_ARGUMENT)
+    return grpc.StatusCode.INVALID_ARGUMENT if code == grpc.StatusCode.OK else code
+
+
 def invalid_argument(message: str, field: str | None = None) -> ApiError:
     return ApiError(grpc.StatusCode.INVALID_ARGUMENT, message, field=field)
 

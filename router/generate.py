@@ -49,7 +49,7 @@ from common.pb import worker_pb2
 from router.admission import Reservation, WorkerBudget, WorkerChooser
 from router.counters import RouterCounters
 from router.detokenizer import TextStream
-from router.errors import ApiError, invalid_argument, unavailable
+from router.errors import ApiError, invalid_argument, refusal_code, unavailable
 from router.fleet import Fleet
 from router.preemption import PRIORITY, PriorityPreemption, Running
 from router.rebalance import Movable, Rebalancer
@@ -303,8 +303,9 @@ class GenerateRun:
             if event.worker_fault:
                 raise ApiError(grpc.StatusCode.INTERNAL,
                                f"worker {worker.worker_id} failed the request: {event.message}")
-            if event.status_code == grpc.StatusCode.NOT_FOUND.value[0]:
-                raise ApiError(grpc.StatusCode.NOT_FOUND, event.message)
+            code = refusal_code(event.status_code)
+            if code != grpc.StatusCode.INVALID_ARGUMENT:
+                raise ApiError(code, event.message)
             raise invalid_argument(f"the worker refused the request: {event.message}")
         else:  # ADMITTED, RESUMED, FINISHED
             choice.on_gpu = event.kind != worker_pb2.EVENT_KIND_FINISHED

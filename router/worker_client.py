@@ -236,7 +236,7 @@ class WorkerClient:
             self._deliver(dispatch_id, worker_pb2.Event(
                 request_id=dispatch_id, kind=worker_pb2.EVENT_KIND_FAILED,
                 message=f"LoRA adapter {name!r} could not be loaded on worker {self.worker_id}: "
-                        f"{error.details()}"))
+                        f"{error.details()}", status_code=error.code().value[0]))
             self.forget(dispatch_id)
             return
         if dispatch_id in self._dispatches and self.alive:     # not aborted or lost meanwhile
