@@ -63,8 +63,14 @@ test-tools:
 		apt-get install -y -q --no-install-recommends prometheus >/dev/null; } || \
 		echo "== no prometheus: tests/test_prometheus.py will be skipped"
 
+# Two test processes, each taking whole files (module fixtures load once), each with one
+# intra-op thread: on a 2-core machine 842 s serially became 506 s (docs/BENCHMARKS.md,
+# 2026-12-07 third session). One thread each, because torch's OpenMP threads spin while they
+# wait and take the other process's core; two processes, because the suite spends much of its
+# time waiting on servers and subprocesses. TEST_WORKERS=0 runs it serially in one process.
+TEST_WORKERS ?= 2
 test: setup test-tools
-	$(PY) -m pytest -q --durations=15 $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 $(PYTEST_ARGS)
 
 test-gpu: setup
 	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS)
