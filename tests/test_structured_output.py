@@ -10,7 +10,9 @@ import pytest
 from helpers import generate
 
 from common.sampling_params import InvalidRequest, SamplingParams, StructuredOutput
+from common.structured_output import grammar_of
 from worker.sequence import FinishReason
+from worker.structured import spells
 
 # Bounded sizes, so that even a rambling 135M model completes the object within max_tokens.
 PERSON = {
@@ -280,3 +282,15 @@ def test_a_literal_spelling_a_special_token_is_generated_as_text(engine, chat_id
     tokens = [t for o in outputs for t in o.new_token_ids]
     assert smollm_tokenizer.convert_tokens_to_ids("<|im_end|>") not in tokens[:-1]
     assert re.fullmatch(pattern, smollm_tokenizer.decode(tokens, skip_special_tokens=True))
+
+
+@pytest.mark.parametrize("kind, spec", [
+    ("regex", r"Done<\|im_end\|>"), ("regex", "Done<[|]im_end[|]>"), ("choice", ("a<|im_end|>", "b")),
+    ("json_schema", r'{"const": "\u003c|im_end|>"}'), ("grammar", 'start: "<|im_end|>" "x"')])
+def test_a_grammar_spelling_a_special_token_is_recognised_however_written(kind, spec):
+    assert spells(grammar_of(StructuredOutput(kind, spec)), ["<|endoftext|>", "<|im_end|>"])
+
+
+def test_a_grammar_spelling_no_special_token_is_not_taken_for_one():
+    schema = {"type": "object", "properties": {"im_end": {"type": "string", "pattern": "<|>"}}}
+    assert not spells(grammar_of(StructuredOutput("json_schema", json.dumps(schema))), ["<|im_end|>"])
