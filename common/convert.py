@@ -57,12 +57,37 @@ def sampling_params_from_proto(p) -> SamplingParams:
     )
 
 
+# How deep extra_args may nest objects and lists. The worker reads them inside its stream's
+# message, and protobuf refuses a message nested past 100 levels (each JSON level is two or three
+# of its own): a deeper value would not fail its request but end the router's whole session
+# with the worker, and every request on it.
+MAX_EXTRA_ARGS_DEPTH = 16
+
+
+def json_depth(value) -> int:
+    """How deeply a JSON value nests objects and lists (a scalar 0, `{"a": [1]}` 2), without
+    recursion: the value may be nested past Python's recursion limit."""
+    deepest, pending = 0, [(value, 0)]
+    while pending:
+        value, depth = pending.pop()
+        if isinstance(value, dict):
+            value = value.values()
+        elif not isinstance(value, list):
+            continue
+        deepest = max(deepest, depth + 1)
+        pending += [(inner, depth + 1) for inner in value]
+    return deepest
+
+
 def struct_to_dict(struct: struct_pb2.Struct, name: str) -> dict:
     """A `google.protobuf.Struct` as the JSON object it holds. A Value with no kind set is
     refused (InvalidRequest naming it), not read as null: it is what a client sends that wrote
     the Value's fields under names its library does not know (protobufjs takes only
     `numberValue`, not `number_value`), and the argument would otherwise vanish silently."""
-    for path, value in _values(struct, name):
+    for path, value, depth in _values(struct, name):
+        if depth > MAX_EXTRA_ARGS_DEPTH:
+            raise InvalidRequest(f"{name} nests objects and lists more than {MAX_EXTRA_ARGS_DEPTH} deep "
+                                 f"(at {path})", name)
         kind = value.WhichOneof("kind")
         if kind is None:
             raise InvalidRequest(f"{path} has no value set: a google.protobuf.Value needs one of null_value, "
@@ -73,17 +98,18 @@ def struct_to_dict(struct: struct_pb2.Struct, name: str) -> dict:
     return json_format.MessageToDict(struct)
 
 
-def _values(struct: struct_pb2.Struct, path: str) -> Iterator[tuple[str, struct_pb2.Value]]:
-    """Every Value inside `struct`, nested ones too, with its path (`extra_args.a.b[2]`)."""
-    pending = [(f"{path}.{key}", value) for key, value in struct.fields.items()]
+def _values(struct: struct_pb2.Struct, path: str) -> Iterator[tuple[str, struct_pb2.Value, int]]:
+    """Every Value inside `struct`, nested ones too, with its path (`extra_args.a.b[2]`) and the
+    number of objects and lists around it (1 for the struct's own fields)."""
+    pending = [(f"{path}.{key}", value, 1) for key, value in struct.fields.items()]
     while pending:
-        path, value = pending.pop()
-        yield path, value
+        path, value, depth = pending.pop()
+        yield path, value, depth
         kind = value.WhichOneof("kind")
         if kind == "struct_value":
-            pending += [(f"{path}.{key}", inner) for key, inner in value.struct_value.fields.items()]
+            pending += [(f"{path}.{key}", inner, depth + 1) for key, inner in value.struct_value.fields.items()]
         elif kind == "list_value":
-            pending += [(f"{path}[{i}]", inner) for i, inner in enumerate(value.list_value.values)]
+            pending += [(f"{path}[{i}]", inner, depth + 1) for i, inner in enumerate(value.list_value.values)]
 
 
 def structured_output_from_proto(s) -> StructuredOutput:

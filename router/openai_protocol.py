@@ -18,6 +18,7 @@ from typing import Any
 
 import grpc
 
+from common.convert import MAX_EXTRA_ARGS_DEPTH, json_depth
 from common.pb import generation_pb2 as pb
 from router.errors import ApiError, bounded
 from router.tool_calls import StreamedCalls, ToolCallError, ToolCalling, tool_calling
@@ -269,6 +270,9 @@ def sampling_parameters(body: dict, *, chat: bool) -> pb.SamplingParameters:
                                            "logits_processors"))
     extra_args = body_field(body, "vllm_xargs", (dict,))       # vLLM's name for extra_args
     if extra_args is not None:
+        if json_depth(extra_args) > MAX_EXTRA_ARGS_DEPTH:
+            raise HttpError(400, f"vllm_xargs nests objects and lists more than {MAX_EXTRA_ARGS_DEPTH} deep",
+                            "vllm_xargs")
         try:
             p.extra_args.update(extra_args)
         except OverflowError:       # an integer past float64, which a Struct's numbers are

@@ -3,8 +3,9 @@
 import pytest
 from google.protobuf import struct_pb2
 
-from common.convert import sampling_params_from_proto
+from common.convert import MAX_EXTRA_ARGS_DEPTH, json_depth, sampling_params_from_proto
 from common.pb import generation_pb2 as pb
+from common.pb import worker_pb2
 from common.sampling_params import InvalidRequest
 
 
@@ -40,3 +41,33 @@ def test_a_json_object_constraint_set_to_false_is_refused_as_meaningless():
     params = pb.SamplingParameters(structured_output=pb.StructuredOutput(json_object=False))
     with pytest.raises(InvalidRequest, match=r"^structured_output.json_object is false, which constrains nothing"):
         sampling_params_from_proto(params)
+
+
+def nested(depth: int) -> dict:
+    """`{"a": {"a": ... 1}}`, `depth` objects deep."""
+    value: object = 1
+    for _ in range(depth):
+        value = {"a": value}
+    return value
+
+
+def test_json_depth_counts_objects_and_lists_without_recursing():
+    assert (json_depth(1), json_depth({"a": [1, {}]}), json_depth(nested(5000))) == (0, 3, 5000)
+
+
+def test_extra_args_nested_past_the_limit_are_refused_naming_the_field():
+    params = pb.SamplingParameters()
+    params.extra_args.update(nested(MAX_EXTRA_ARGS_DEPTH + 1))
+    with pytest.raises(InvalidRequest, match=f"^extra_args nests objects and lists more than "
+                                             f"{MAX_EXTRA_ARGS_DEPTH} deep") as refused:
+        sampling_params_from_proto(params)
+    assert refused.value.field == "extra_args"
+
+
+def test_extra_args_at_the_limit_survive_the_worker_protocol():
+    """The worker reads them inside its stream's message; one it could not parse would end the
+    router's session with it, and every request on it."""
+    submit = worker_pb2.RouterMessage(submit=worker_pb2.Submit(request_id="r"))
+    submit.submit.params.extra_args.update(nested(MAX_EXTRA_ARGS_DEPTH))
+    read = worker_pb2.RouterMessage.FromString(submit.SerializeToString())
+    assert sampling_params_from_proto(read.submit.params).extra_args == nested(MAX_EXTRA_ARGS_DEPTH)

@@ -133,6 +133,13 @@ def test_a_number_json_cannot_hold_in_vllm_xargs_is_400(served, literal, problem
     assert error["status"] == 400 and error["param"] in ("vllm_xargs", "extra_args") and problem in error["message"]
 
 
+@pytest.mark.parametrize("depth", [17, 33, 900])
+def test_vllm_xargs_nested_too_deep_is_400(served, depth):
+    xargs = "{\"a\": " * depth + "1" + "}" * depth
+    error = refusal(parse_body('{"prompt": "Hi", "max_tokens": 1, "vllm_xargs": ' + xargs + "}"), served)
+    assert error["status"] == 400 and error["param"] == "vllm_xargs" and "more than 16 deep" in error["message"]
+
+
 def test_prompt_over_max_model_len_is_400(served):
     error = refusal(completion(prompt=[1] * 5000, max_tokens=2), served)
     assert error["status"] == 400 and "prompt" in error["message"]
