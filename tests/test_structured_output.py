@@ -248,6 +248,25 @@ def test_a_grammar_too_complex_for_the_grammar_engine_fails_its_request_naming_t
     assert [t for out in got["wide"] for t in out.new_token_ids] == []
 
 
+@pytest.mark.parametrize("kind, spec", [("grammar", "start: a\na: a"), ("grammar", "root ::= root"),
+                                        ("json_schema", '{"$ref": "#"}')])
+def test_a_grammar_no_text_satisfies_is_refused(engine, chat_ids, kind, spec):
+    """It used to be taken, allowed only the end, and reported complete with empty output."""
+    with pytest.raises(InvalidRequest, match=f"^structured_output.{kind} admits no output: no text satisfies it"):
+        engine.add_request("empty", chat_ids("Anything."), constrained(kind, spec))
+    assert not engine.has_unfinished()
+
+
+def test_a_grammar_the_grammar_engine_gave_up_on_fails_every_request_under_it(engine, chat_ids):
+    """Copies of a compiled grammar share the lexer state that reached the engine's limit: the
+    second request used to start from it, be allowed only the end, and end as if complete."""
+    params = constrained("regex", "b{1000000}", max_tokens=6)
+    for attempt in range(3):
+        got = outputs_of(engine, {f"r{attempt}": (chat_ids("Answer:"), params)})[f"r{attempt}"]
+        assert got[-1].finish_reason == FinishReason.ERROR, (attempt, got)
+        assert "the grammar engine stopped at output token 0: lexer error" in got[-1].error
+
+
 def test_constraints_that_rule_out_every_token_fail_the_request_naming_them(engine, chat_ids):
     params = constrained("choice", ("yes",), allowed_token_ids=[42])
     [out] = outputs_of(engine, {"r": (chat_ids("Yes?"), params)})["r"]

@@ -491,8 +491,7 @@ class LLMEngine:
             self._finish(seq, reason)
         return out
 
-    @staticmethod
-    def _undrawable(seq: Sequence, token: int) -> tuple[str, bool] | None:
+    def _undrawable(self, seq: Sequence, token: int) -> tuple[str, bool] | None:
         """Why the sequence cannot take the token drawn for it, as (error, worker at fault), or
         None; advances its grammar over the token. The request fails rather than end as if it
         had stopped: the output would break its constraints."""
@@ -507,9 +506,13 @@ class LLMEngine:
         if token == NAN_LOGITS:
             under = f" under LoRA adapter '{seq.lora_name}'" if seq.lora_name else ""
             return f"the model computed NaN logits{under} at {position}", True
-        if seq.matcher is not None and not seq.matcher.consume_token(token):
-            # The mask allowed the token, so the grammar engine itself gave up (a grammar too
-            # complex for its limits); its message's first line says which limit.
+        if seq.matcher is not None and (seq.matcher.is_error() or not seq.matcher.consume_token(token)):
+            # The grammar engine itself gave up (a grammar too complex for its limits): while
+            # computing the mask, which then allows only the end (and would take it), or on the
+            # token the mask allowed. Its message's first line says which limit. The compiled
+            # grammar is dropped: its copies share the state that reached the limit, so the next
+            # request under it would start from there.
+            self.grammars.forget(seq.params.structured_output)
             reason = seq.matcher.get_error().splitlines()[0][:500]
             return f"structured_output: the grammar engine stopped at {position}: {reason}", False
         return None

@@ -65,6 +65,10 @@ class Grammars:
             self._compiled.move_to_end(constraint)
         return compiled.deep_copy()
 
+    def forget(self, constraint: StructuredOutput) -> None:
+        """Drops a compiled constraint (if cached), so that its next request compiles it anew."""
+        self._compiled.pop(constraint, None)
+
     def _compile(self, constraint: StructuredOutput) -> llguidance.LLMatcher:
         if self._tokenizer is None:
             hf_tokenizer = self._load_tokenizer()
@@ -80,6 +84,16 @@ class Grammars:
         matcher = llguidance.LLMatcher(self._tokenizer_for(grammar), grammar)
         if matcher.is_error():
             raise InvalidRequest(f"{field} does not compile: {matcher.get_error()}", field)
+        # A grammar that no text satisfies ("start: a\na: a"), or that is past the engine's
+        # limits from its first token, fails its first mask (which then allows only the end):
+        # refused now, before its prompt runs, rather than ended as if complete.
+        first = matcher.deep_copy()
+        first.compute_bitmask()
+        if first.is_error():
+            reason = first.get_error().splitlines()[0][:500]
+            if reason == "NoExtensionBias":
+                raise InvalidRequest(f"{field} admits no output: no text satisfies it", field)
+            raise InvalidRequest(f"{field} is past the grammar engine's limits: {reason}", field)
         return matcher
 
     def _tokenizer_for(self, grammar: str) -> llguidance.LLTokenizer:
