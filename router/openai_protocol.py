@@ -23,6 +23,8 @@ from common.pb import generation_pb2 as pb
 from router.errors import ApiError, bounded
 from router.tool_calls import StreamedCalls, ToolCallError, ToolCalling, tool_calling
 
+# A logit_bias key: a token id written as a decimal integer (ASCII digits: str.isdigit takes "²").
+_TOKEN_ID_KEY = re.compile(r"-?[0-9]+")
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.UNAUTHENTICATED: 401,
     grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
@@ -258,7 +260,7 @@ def sampling_parameters(body: dict, *, chat: bool) -> pb.SamplingParameters:
             p.prompt_logprobs = p.logprobs
     for key, bias in body_field(body, "logit_bias", (dict,), {}).items():
         # JSON object keys are strings: OpenAI's are token ids written as integers.
-        if not (key.lstrip("-").isdigit() and isinstance(bias, (int, float)) and not isinstance(bias, bool)):
+        if not (_TOKEN_ID_KEY.fullmatch(key) and isinstance(bias, (int, float)) and not isinstance(bias, bool)):
             raise HttpError(400, "logit_bias must map token ids (as strings of digits) to numbers "
                             f"in [-100, 100]; got {json.dumps({key: bias})[:80]}", "logit_bias")
         token = int(key)

@@ -263,13 +263,16 @@ def _template_tool(tool: pb.ChatTool, position: int) -> dict:
         except ValueError:
             raise invalid_argument(f"chat.tools[{position}].parameters_json is not JSON",
                                    f"chat.tools[{position}].parameters_json") from None
+        except RecursionError:
+            raise invalid_argument(f"chat.tools[{position}].parameters_json is nested too deeply to read",
+                                   f"chat.tools[{position}].parameters_json") from None
     return {"type": "function", "function": function}
 
 
 def _json_or_text(text: str):
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):       # not JSON, or nested past what Python reads
         return text
 
 

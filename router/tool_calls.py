@@ -16,8 +16,13 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
+from common.convert import json_depth
 from common.pb import generation_pb2 as pb
 from router.tool_syntax import KNOWN_SYNTAXES, ToolSyntax
+
+# How deep a tool's parameters schema may nest: far past any real one, and short of Python's
+# recursion limit, which placing it in the tool-call grammar walks into.
+MAX_SCHEMA_DEPTH = 100
 
 
 class ToolCallError(ValueError):
@@ -154,6 +159,13 @@ def tool_calling(body: dict) -> ToolCalling | None:
         if not isinstance(parameters, dict):
             raise ToolCallError(f"tools[{i}].function.parameters must be a JSON schema object",
                                 f"tools[{i}].function.parameters")
+        for key in ("$defs", "definitions"):
+            if not isinstance(parameters.get(key, {}), dict):
+                raise ToolCallError(f"tools[{i}].function.parameters.{key} must map names to schemas",
+                                    f"tools[{i}].function.parameters")
+        if json_depth(parameters) > MAX_SCHEMA_DEPTH:
+            raise ToolCallError(f"tools[{i}].function.parameters nests objects and lists more than "
+                                f"{MAX_SCHEMA_DEPTH} deep", f"tools[{i}].function.parameters")
         if name in schemas:
             raise ToolCallError(f"tools[{i}]: a second function named {name!r}", f"tools[{i}]")
         description = function.get("description", "")
@@ -169,7 +181,7 @@ def tool_calling(body: dict) -> ToolCalling | None:
         return ToolCalling(schemas, None, tools)
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
         name = choice["function"].get("name")
-        if name not in schemas:
+        if not isinstance(name, str) or name not in schemas:
             raise ToolCallError(f"tool_choice names {name!r}, which is not among the tools: "
                                 f"{', '.join(schemas)}", "tool_choice")
         return ToolCalling(schemas, name, tools)

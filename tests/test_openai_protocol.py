@@ -331,8 +331,10 @@ def test_logit_bias_and_allowed_token_ids_become_the_grpc_fields():
 
 @pytest.mark.parametrize("bias,param", [
     ({"x": 1}, "logit_bias"), ({"5": "high"}, "logit_bias"), ({"5": 101}, "logit_bias"),
-    ({"99999999": 1}, "logit_bias"), ({"5": True}, "logit_bias"),
-], ids=["not an id", "not a number", "over 100", "outside the vocabulary", "a boolean"])
+    ({"99999999": 1}, "logit_bias"), ({"5": True}, "logit_bias"), ({"--5": 1}, "logit_bias"),
+    ({"\u00b2": 1}, "logit_bias"),
+], ids=["not an id", "not a number", "over 100", "outside the vocabulary", "a boolean", "two signs",
+        "a superscript digit"])
 def test_a_bad_logit_bias_is_400_naming_it(served, bias, param):
     error = refusal(completion(logit_bias=bias), served)
     assert error["status"] == 400 and error["param"] == param, error

@@ -141,6 +141,26 @@ def test_a_tool_whose_parameters_are_not_json_is_invalid_naming_it(tokenizer):
     assert refused.value.field == "chat.tools[0].parameters_json"
 
 
+def test_a_tool_whose_parameters_nest_past_what_python_reads_is_invalid_naming_it(tokenizer):
+    chat = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="Hi")],
+                           tools=[pb.ChatTool(name="f", parameters_json="[" * 1200 + "]" * 1200)])
+    with pytest.raises(ApiError, match=r"^chat.tools\[0\].parameters_json is nested too deeply to read") as refused:
+        prepare_generate(pb.GenerateRequest(chat=chat, params=pb.SamplingParameters(max_tokens=4)), served(tokenizer))
+    assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_call_arguments_nested_past_what_python_reads_reach_the_template_as_text(smollm_tokenizer):
+    from transformers import PreTrainedTokenizerFast
+    template = "{% for m in messages %}{% for c in m.tool_calls or [] %}{{ c.function.arguments }}{% endfor %}{% endfor %}"
+    templated = PreTrainedTokenizerFast(tokenizer_object=smollm_tokenizer.backend_tokenizer, chat_template=template)
+    arguments = "[" * 1200 + "]" * 1200
+    chat = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="Hi"), pb.ChatMessage(
+        role="assistant", tool_calls=[pb.ToolCall(id="c1", name="f", arguments=arguments)])])
+    prepared = prepare_generate(pb.GenerateRequest(chat=chat, params=pb.SamplingParameters(max_tokens=4)),
+                                served(templated, max_model_len=4096))
+    assert templated.decode(prepared.prompt_token_ids) == arguments
+
+
 # Structured outputs
 
 def test_a_structured_output_for_a_model_without_a_tokenizer_is_invalid_naming_it():

@@ -15,8 +15,12 @@ TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": WEAT
          {"type": "function", "function": {"name": "time"}}]
 
 
-def named(name: str) -> dict:
+def named(name) -> dict:
     return {"type": "function", "function": {"name": name}}
+
+
+def tool(name: str, parameters: dict) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
 
 
 def test_a_named_function_constrains_the_output_to_its_parameters():
@@ -73,6 +77,14 @@ def test_no_tools_or_tool_choice_none_calls_nothing(body):
     ({"tools": [], "tool_choice": "required"}, "tools", "non-empty"),
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
     ({"functions": [{"name": "f"}]}, "functions", "deprecated"),
+    ({"tools": TOOLS, "tool_choice": named(["weather"])}, "tool_choice", "not among the tools"),
+    ({"tools": TOOLS, "tool_choice": named({"a": 1})}, "tool_choice", "not among the tools"),
+    ({"tools": [tool("f", {"type": "object", "$defs": 5})], "tool_choice": "required"},
+     "tools[0].function.parameters", r"\$defs must map names to schemas"),
+    ({"tools": [tool("f", {"definitions": ["x"]})], "tool_choice": "required"},
+     "tools[0].function.parameters", "definitions must map names to schemas"),
+    ({"tools": [tool("f", json.loads('{"items": ' * 600 + "{}" + "}" * 600))], "tool_choice": "required"},
+     "tools[0].function.parameters", "more than 100 deep"),
 ])
 def test_malformed_or_unsupported_tool_calling_is_refused_naming_the_field(body, param, words):
     with pytest.raises(ToolCallError, match=words) as refused:
