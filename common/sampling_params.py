@@ -7,6 +7,7 @@ MAX_LOGPROBS = 20
 # Temperatures below this are greedy, as in vLLM: dividing logits by a tiny one overflows float32
 # (1e-37 makes them inf, and their softmax NaN), and one this small is as good as greedy anyway.
 GREEDY_TEMPERATURE = 1e-5
+MIN_REPETITION_PENALTY = 0.01
 
 
 class InvalidRequest(ValueError):
@@ -88,8 +89,10 @@ class SamplingParams:
             bad("presence_penalty", "must be in [-2, 2]")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             bad("frequency_penalty", "must be in [-2, 2]")
-        if not 0.0 < self.repetition_penalty <= 10.0:
-            bad("repetition_penalty", "must be in (0, 10]")
+        # Not below 0.01: it divides the positive logits, and a tiny one made them infinite
+        # (1e-38: NaN probabilities, tokens drawn at random).
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= 10.0:
+            bad("repetition_penalty", f"must be in [{MIN_REPETITION_PENALTY}, 10]")
         if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**63):
             bad("seed", "must be an integer in [0, 2^63)")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 0 or (
