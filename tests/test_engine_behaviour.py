@@ -298,6 +298,7 @@ def test_duplicate_request_id_rejected(engine, ids):
     ("min_p", 1.5), ("max_tokens", 0), ("min_tokens", -1), ("logprobs", 21), ("n", 0),
     ("presence_penalty", 3.0), ("frequency_penalty", -3.0), ("repetition_penalty", 0.0),
     ("repetition_penalty", 1e-38), ("seed", -1), ("stop_token_ids", [10**7]), ("prompt_logprobs", 21), ("bad_words", [" "]),
+    ("bad_words", ["word"] * 4097), ("bad_words", ["w" * 65537]),
 ])
 def test_invalid_sampling_parameter_rejected_naming_it(engine, ids, field, value):
     with pytest.raises(InvalidRequest, match=f"^{field}="):

@@ -431,10 +431,11 @@ class LLMEngine:
         if self.tokenizer is None:
             raise InvalidRequest("bad_words: this model is served without a tokenizer, so there are "
                                  "no words to ban", "bad_words")
+        words = [word.lstrip() for word in words]
+        # One batch call: the tokenizer's Rust side takes them all at once, not a word a call.
+        encoded = self.tokenizer(words + [" " + word for word in words], add_special_tokens=False)["input_ids"]
         sequences = []
-        for word in words:
-            alone, spaced = (self.tokenizer.encode(text, add_special_tokens=False)
-                             for text in (word.lstrip(), " " + word.lstrip()))
+        for alone, spaced in zip(encoded[:len(words)], encoded[len(words):]):
             sequences += [alone] + ([spaced] if spaced[0] != alone[0] and len(spaced) == len(alone) else [])
         if any(not 0 <= t < self.vocab_size for tokens in sequences for t in tokens):
             raise InvalidRequest("bad_words: a word tokenizes to ids outside the model's vocabulary", "bad_words")
