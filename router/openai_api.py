@@ -29,6 +29,7 @@ from router.admission import Batch
 from router.auth import bearer_key_matches
 from router.errors import ApiError
 from router.openai_protocol import (
+    MAX_HEADER_REQUEST_ID_LENGTH,
     Accumulator,
     HttpError,
     body_field,
@@ -141,9 +142,15 @@ class OpenAIApi:
     @web.middleware
     async def _request_id(self, request: web.Request, handler):
         request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        problem = None
         if not (request_id.isascii() and request_id.isprintable()):
+            problem = "X-Request-Id must be printable ASCII text"
+        elif len(request_id) > MAX_HEADER_REQUEST_ID_LENGTH:
+            problem = (f"X-Request-Id has {len(request_id)} characters; at most {MAX_HEADER_REQUEST_ID_LENGTH} "
+                       "(each prompt of a batch is a request named after it, with -<index> appended)")
+        if problem is not None:
             request[REQUEST_ID] = uuid.uuid4().hex
-            response = error_response(HttpError(400, "X-Request-Id must be printable ASCII text", "X-Request-Id"))
+            response = error_response(HttpError(400, problem, "X-Request-Id"))
         else:
             request[REQUEST_ID] = request_id
             response = await handler(request)

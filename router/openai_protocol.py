@@ -21,6 +21,7 @@ import grpc
 from common.convert import MAX_EXTRA_ARGS_DEPTH, json_depth
 from common.pb import generation_pb2 as pb
 from router.errors import ApiError, bounded
+from router.requests import MAX_REQUEST_ID_LENGTH
 from router.tool_calls import StreamedCalls, ToolCallError, ToolCalling, tool_calling
 
 # A logit_bias key: a token id written as a decimal integer (ASCII digits: str.isdigit takes "²").
@@ -338,6 +339,8 @@ def structured_output(body: dict) -> pb.StructuredOutput | None:
     name = given[0]
     value, param = constraints[name], f"structured_outputs.{name}"
     if name == "json_object":
+        if value is not True:
+            raise HttpError(400, f"{param} must be true (or false, or left out, for no constraint)", param)
         return pb.StructuredOutput(json_object=True)
     if name == "json" and isinstance(value, dict):
         value = json.dumps(value)
@@ -360,6 +363,9 @@ def _refuse_unsupported(body: dict, *, chat: bool) -> None:
 
 
 MAX_PROMPTS = 256     # prompts in one completions request (each is admitted as one request)
+# An X-Request-Id's length: each prompt of a batch is a request named "<id>-<index>", and the
+# gRPC API allows MAX_REQUEST_ID_LENGTH.
+MAX_HEADER_REQUEST_ID_LENGTH = MAX_REQUEST_ID_LENGTH - len(f"-{MAX_PROMPTS - 1}")
 
 
 def generate_requests(body: dict, *, chat: bool, request_id: str) -> list[pb.GenerateRequest]:

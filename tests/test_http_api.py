@@ -27,6 +27,7 @@ from worker_process import WorkerProcess, free_port
 
 from common.pb import generation_pb2 as pb
 from common.pb import generation_pb2_grpc
+from router.openai_protocol import MAX_HEADER_REQUEST_ID_LENGTH
 
 pytestmark = pytest.mark.slow
 
@@ -286,6 +287,16 @@ def test_request_id_is_echoed(router, model):
     r = post(router, "/v1/completions", {"model": model, "prompt": PROMPT, "max_tokens": 2},
              headers={"X-Request-Id": "abc-123"})
     assert r.headers["X-Request-Id"] == "abc-123" and r.json()["id"] == "cmpl-abc-123"
+
+
+def test_a_request_id_a_batch_could_not_name_its_requests_after_is_400_naming_the_header(router, model):
+    longest = "r" * MAX_HEADER_REQUEST_ID_LENGTH
+    batch = {"model": model, "prompt": [PROMPT, PROMPT], "max_tokens": 1}
+    assert post(router, "/v1/completions", batch, headers={"X-Request-Id": longest}).status_code == 200
+    r = post(router, "/v1/completions", batch, headers={"X-Request-Id": longest + "r"})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "X-Request-Id"
+    assert error["message"].startswith(f"X-Request-Id has {MAX_HEADER_REQUEST_ID_LENGTH + 1} characters")
 
 
 def test_tokenize_then_detokenize_round_trips(router):

@@ -308,6 +308,14 @@ def test_structured_outputs_that_set_no_constraint_are_400(served, constraints):
     assert error["message"].endswith("; it sets none")
 
 
+@pytest.mark.parametrize("value", ["yes", 1, {}])
+def test_a_json_object_constraint_that_is_not_a_boolean_is_400(served, value):
+    error = refusal({"model": MODEL, "messages": MESSAGES, "structured_outputs": {"json_object": value}},
+                    served, chat=True)
+    assert error["status"] == 400 and error["param"] == "structured_outputs.json_object"
+    assert error["message"].startswith("structured_outputs.json_object must be true")
+
+
 @pytest.mark.parametrize("body,param,problem", [
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "objec"}}}},
      "response_format.json_schema.schema", "Invalid type"),
