@@ -99,6 +99,9 @@ def names_for(body: dict, *, chat: bool) -> dict[str, str]:
         names = names | {f"params.structured_output.{kind}": f"structured_outputs.{name}"
                          for name, kind in STRUCTURED_KINDS.items() if name in constraints}
         names["params.structured_output"] = "structured_outputs"
+    elif chat and body.get("tools") and body.get("tool_choice") not in (None, "auto", "none"):
+        # A forced or required call's constraint is made of the tools' parameters.
+        names = names | {"params.structured_output.json_schema": "tools", "params.structured_output": "tools"}
     return names
 
 

@@ -321,6 +321,8 @@ def test_a_json_object_constraint_that_is_not_a_boolean_is_400(served, value):
      "response_format.json_schema.schema", "Invalid type"),
     ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs.regex", "unclosed group"),
     ({"structured_outputs": {"grammar": "start: foo"}}, "structured_outputs.grammar", "unknown name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objec"}}}],
+      "tool_choice": "required"}, "tools", "Invalid type"),
 ])
 def test_a_constraint_that_does_not_compile_is_400_naming_the_field_and_the_problem(served, body, param, problem):
     error = refusal({"model": MODEL, "messages": MESSAGES} | body, served, chat=True)
