@@ -153,8 +153,8 @@ def text_tokenizer(table: llguidance.LLTokenizer, hf_tokenizer) -> llguidance.LL
     forcing that literal would offer only a token it then refuses, and the request would fail
     there. This one takes its token table from `table` and tokenizes forced text through
     `_TextTokenizer`, a Python call from the mask computation's threads under the GIL, which
-    made masks of a JSON schema's keys 1.5-2.4 times slower (16 cores, 64-256 rows): so only
-    such grammars get it."""
+    made the masks of a JSON schema with forced keys 2.2-2.8 times slower (16 cores, 64-256
+    rows; docs/BENCHMARKS.md): so only such grammars get it."""
     return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_TextTokenizer(table, hf_tokenizer)),
                                   n_vocab=table.vocab_size)
 
