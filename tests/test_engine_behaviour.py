@@ -298,12 +298,22 @@ def test_duplicate_request_id_rejected(engine, ids):
     ("min_p", 1.5), ("max_tokens", 0), ("min_tokens", -1), ("logprobs", 21), ("n", 0),
     ("presence_penalty", 3.0), ("frequency_penalty", -3.0), ("repetition_penalty", 0.0),
     ("repetition_penalty", 1e-38), ("seed", -1), ("stop_token_ids", [10**7]), ("prompt_logprobs", 21), ("bad_words", [" "]),
-    ("bad_words", ["word"] * 4097), ("bad_words", ["w" * 65537]),
+
 ])
 def test_invalid_sampling_parameter_rejected_naming_it(engine, ids, field, value):
     with pytest.raises(InvalidRequest, match=f"^{field}="):
         engine.add_request("bad", ids[0], SamplingParams(**{field: value}))
     assert not engine.has_unfinished()
+
+
+@pytest.mark.parametrize("field,value,count", [
+    ("bad_words", ["word"] * 4097, "4097 words of 16388 characters"),
+    ("bad_words", ["w" * 65537], "1 words of 65537 characters"),
+    ("allowed_token_ids", [7] * 49153, "49153 ids")])
+def test_a_list_past_its_cap_is_rejected_saying_how_long_it_is(engine, ids, field, value, count):
+    with pytest.raises(InvalidRequest, match=f"^{field} holds {count}; at most ") as refused:
+        engine.add_request("long", ids[0], SamplingParams(**{field: value}))
+    assert refused.value.field == field and not engine.has_unfinished()
 
 
 def test_swap_out_on_request_holds_until_swap_in_and_output_unchanged(make_engine, ids):
