@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -95,8 +95,12 @@ class GrpcApi:
         })
 
     async def generate(self, request: pb.GenerateRequest | _Unparsable,
-                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
-        """The gRPC method: `stream` with its errors turned into statuses."""
+                       context: grpc.aio.ServicerContext) -> None:
+        """The gRPC method: `stream`'s responses written to the call, its errors turned into
+        statuses. Written here, not yielded to grpc: a shutdown's cancellation that lands while a
+        response is being written then ends the call here too, saying why (yielded, it landed in
+        grpc's own loop, and the call lived on until the server's stop ended it with "Cancelling
+        all calls")."""
         try:
             if isinstance(request, _Unparsable):
                 self.service.reject("invalid", "", request.problem)
@@ -106,7 +110,7 @@ class GrpcApi:
             # it is garbage-collected, so its worker-side abort and release happen at once.
             async with contextlib.aclosing(self.service.stream(request, parent, GENERATE_CALL)) as responses:
                 async for response in responses:
-                    yield response
+                    await context.write(response)
         except ApiError as error:
             await _abort(context, error, _request_id(request))
         except asyncio.CancelledError:
