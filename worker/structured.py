@@ -84,16 +84,17 @@ class Grammars:
         matcher = llguidance.LLMatcher(self._tokenizer_for(grammar), grammar)
         if matcher.is_error():
             raise InvalidRequest(f"{field} does not compile: {matcher.get_error()}", field)
-        # A grammar that no text satisfies ("start: a\na: a"), or that is past the engine's
-        # limits from its first token, fails its first mask (which then allows only the end):
-        # refused now, before its prompt runs, rather than ended as if complete.
+        # A grammar that no text satisfies ("start: a\na: a") fails its first mask (which then
+        # allows only the end, and would take it): refused now, before its prompt runs, rather
+        # than ended as if complete. Any other first-mask error is passed on as llguidance says it.
         first = matcher.deep_copy()
         first.compute_bitmask()
         if first.is_error():
             reason = first.get_error().splitlines()[0][:500]
             if reason == "NoExtensionBias":
                 raise InvalidRequest(f"{field} admits no output: no text satisfies it", field)
-            raise InvalidRequest(f"{field} is past the grammar engine's limits: {reason}", field)
+            raise InvalidRequest(f"{field} cannot be followed: the grammar engine stopped before its first "
+                                 f"token: {reason}", field)
         return matcher
 
     def _tokenizer_for(self, grammar: str) -> llguidance.LLTokenizer:
