@@ -33,7 +33,6 @@ from router.openai_protocol import (
     Accumulator,
     HttpError,
     body_field,
-    chat_messages,
     chunk_choices,
     completion_json,
     echoed,
@@ -45,6 +44,7 @@ from router.openai_protocol import (
     parse_body,
     response_meta,
     role_chunk,
+    tokenize_request,
     tool_calls_of,
     usage_json,
 )
@@ -404,17 +404,8 @@ class OpenAIApi:
 
     async def tokenize(self, request: web.Request) -> web.Response:
         body = await self._body(request)
-        tokenize = pb.TokenizeRequest(model=body_field(body, "model", (str,), ""))
-        given = [name for name in ("prompt", "messages") if body.get(name) is not None]
-        if len(given) != 1:
-            raise HttpError(400, "give one of prompt (a text) and messages (a chat) to tokenize, "
-                                 f"not {' and '.join(given) or 'neither'}", "prompt")
-        if given == ["messages"]:
-            tokenize.chat.CopyFrom(chat_messages(body))
-        else:
-            tokenize.text = body_field(body, "prompt", (str,))
         try:
-            result = await self.service.tokenize(tokenize)
+            result = await self.service.tokenize(tokenize_request(body))
         except ApiError as error:
             raise HttpError.from_api(error) from None
         served = self._served()

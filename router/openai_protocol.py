@@ -365,6 +365,28 @@ def _refuse_unsupported(body: dict, *, chat: bool) -> None:
         return
 
 
+def tokenize_request(body: dict) -> pb.TokenizeRequest:
+    """`POST /tokenize` (vLLM's): a text (`prompt`) or a chat (`messages`), the chat rendered as
+    a chat completion would render it: with `tools` shown to the template, and the assistant
+    turn's opening unless `add_generation_prompt` is false."""
+    tokenize = pb.TokenizeRequest(model=body_field(body, "model", (str,), ""))
+    given = [name for name in ("prompt", "messages") if body.get(name) is not None]
+    if len(given) != 1:
+        raise HttpError(400, "give one of prompt (a text) and messages (a chat) to tokenize, "
+                             f"not {' and '.join(given) or 'neither'}", "prompt")
+    if given == ["prompt"]:
+        for name in ("add_generation_prompt", "tools"):
+            if body.get(name) is not None:
+                raise HttpError(400, f"{name} applies to messages, not to a prompt", name)
+        tokenize.text = body_field(body, "prompt", (str,))
+        return tokenize
+    tokenize.chat.CopyFrom(chat_messages(body))
+    tokenize.chat.add_generation_prompt = body_field(body, "add_generation_prompt", (bool,), True)
+    if (calling := tool_calls_of(body)) is not None:
+        tokenize.chat.tools.extend(calling.tools)
+    return tokenize
+
+
 MAX_PROMPTS = 256     # prompts in one completions request (each is admitted as one request)
 # An X-Request-Id's length: each prompt of a batch is a request named "<id>-<index>", and the
 # gRPC API allows MAX_REQUEST_ID_LENGTH.

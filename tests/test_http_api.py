@@ -305,6 +305,13 @@ def test_tokenize_then_detokenize_round_trips(router):
     assert post(router, "/detokenize", {"tokens": tokens["tokens"]}).json()["prompt"] == PROMPT
 
 
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_tokenize_opens_the_assistant_turn_unless_told_not_to(router, smollm_tokenizer, add_generation_prompt):
+    ids = post(router, "/tokenize", {"messages": ASK, "add_generation_prompt": add_generation_prompt}).json()["tokens"]
+    text = smollm_tokenizer.apply_chat_template(ASK, tokenize=False, add_generation_prompt=add_generation_prompt)
+    assert ids == smollm_tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
 def test_overload_is_429_with_retry_after(worker):
     busy = RouterProcess([worker.address], "--max-concurrent-requests", "1", "--max-queue-len", "0")
     try:
@@ -669,6 +676,15 @@ def test_the_tools_reach_a_hermes_models_prompt(hermes):
                                                 extra_body={"structured_outputs": {"regex": "x"}})
     without = client.chat.completions.create(model=model, messages=ASK, max_tokens=1)
     assert with_tools.usage.prompt_tokens > without.usage.prompt_tokens + 40
+
+
+def test_tokenize_renders_a_chat_with_its_tools_as_a_chat_completion_does(hermes):
+    client, model = hermes
+    url = str(client.base_url).removesuffix("/").removesuffix("/v1")
+    asked = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, max_tokens=1,
+                                           extra_body={"structured_outputs": {"regex": "x"}})
+    tokens = httpx.post(f"{url}/tokenize", json={"model": model, "messages": ASK, "tools": TOOLS}).json()
+    assert tokens["count"] == asked.usage.prompt_tokens
 
 
 # ------------------------------------------------------------------ prompt logprobs

@@ -13,7 +13,8 @@ import pytest
 from common.pb import generation_pb2 as pb
 from router.errors import ApiError
 from router.openai_protocol import (
-    HttpError, chunk_choices, echoed, generate_requests, http_field, names_for, naming_prompt, parse_body)
+    HttpError, chunk_choices, echoed, generate_requests, http_field, names_for, naming_prompt, parse_body,
+    tokenize_request)
 from router.requests import ServedModel, prepare_generate
 from router.tokenizer import RouterTokenizer
 
@@ -500,3 +501,28 @@ def test_logits_processors_and_vllm_xargs_become_the_grpc_fields():
 def test_malformed_logits_processor_fields_are_400_naming_them(served, body, param):
     error = refusal(completion(**body), served)
     assert error["status"] == 400 and error["param"] == param
+
+
+# ------------------------------------------------------------------ /tokenize
+
+def test_tokenize_asks_for_the_assistant_turns_opening_unless_told_not_to():
+    assert tokenize_request({"messages": MESSAGES}).chat.add_generation_prompt is True
+    assert tokenize_request({"messages": MESSAGES, "add_generation_prompt": False}).chat.add_generation_prompt is False
+
+
+def test_tokenize_shows_the_chat_template_its_tools():
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    [tool] = tokenize_request({"messages": MESSAGES, "tools": tools}).chat.tools
+    assert tool.name == "f" and json.loads(tool.parameters_json) == {"type": "object"}
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": PROMPT, "add_generation_prompt": False}, "add_generation_prompt"),
+    ({"prompt": PROMPT, "tools": []}, "tools"),
+    ({"messages": MESSAGES, "add_generation_prompt": "no"}, "add_generation_prompt"),
+    ({"messages": MESSAGES, "tools": {}}, "tools"),
+])
+def test_malformed_tokenize_bodies_are_400_naming_the_field(body, param):
+    with pytest.raises(HttpError) as refused:
+        tokenize_request(body)
+    assert refused.value.status == 400 and refused.value.param == param
