@@ -316,6 +316,21 @@ def test_a_list_past_its_cap_is_rejected_saying_how_long_it_is(engine, ids, fiel
     assert refused.value.field == field and not engine.has_unfinished()
 
 
+def test_allowed_token_ids_limit_every_token_and_become_a_tensor_once(engine, ids):
+    """The list (up to the vocabulary's size) is not walked again at every step."""
+    allowed = [11, 29, 3000, 42]
+    engine.add_request("only", ids[0], SamplingParams(temperature=1.0, seed=3, max_tokens=6, ignore_eos=True,
+                                                       allowed_token_ids=allowed))
+    outputs = [engine.step() for _ in range(2)]
+    [seq] = engine.requests["only"]
+    made = seq.allowed_ids
+    while engine.has_unfinished():
+        outputs.append(engine.step())
+    drawn = [t for step in outputs for out in step if out.request_id == "only" for t in out.new_token_ids]
+    assert len(drawn) == 6 and set(drawn) <= set(allowed)
+    assert made is not None and made.tolist() == allowed and seq.allowed_ids is made
+
+
 def test_swap_out_on_request_holds_until_swap_in_and_output_unchanged(make_engine, ids):
     reference = generate(make_engine(), [ids[0], ids[1]], greedy(12))
     engine = make_engine(num_swap_blocks=32)

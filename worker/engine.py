@@ -421,8 +421,10 @@ class LLMEngine:
         banned = []
         if seq.num_tokens - seq.prompt_len < p.min_tokens:    # the drawn token's output index
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(self.eos_token_ids))
-        return SamplingRow(p, seed, seq.num_tokens, seq.token_ids, seq.prompt_len, banned, seq.bad_words,
-                           seq.pending_row if seq.num_pending else -1)
+        row = SamplingRow(p, seed, seq.num_tokens, seq.token_ids, seq.prompt_len, banned, seq.bad_words,
+                          seq.allowed_ids, seq.pending_row if seq.num_pending else -1)
+        seq.allowed_ids = row.allowed_ids       # made by the first row, kept for the others
+        return row
 
     def _bad_words(self, words: list[str]) -> BadWords:
         """A request's bad words as token sequences, tokenized as vLLM does: each word as

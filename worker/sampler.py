@@ -66,9 +66,16 @@ class SamplingRow:
     prompt_len: int
     banned: list[int]               # ids masked for min_tokens
     bad_words: BadWords | None = None
+    # params.allowed_token_ids as a tensor, made once per sequence: a step does not walk the
+    # lists (up to the vocabulary's size each) in Python.
+    allowed_ids: torch.Tensor | None = None
     # Its pending token's row among the previous step's draws (`SamplingBatch.build`'s
     # `pending`), the last generated token, which the host does not know yet; -1: none.
     pending_row: int = -1
+
+    def __post_init__(self):
+        if self.allowed_ids is None and self.params.allowed_token_ids:    # not given cached
+            self.allowed_ids = torch.tensor(self.params.allowed_token_ids, dtype=torch.long)
 
 
 @dataclass
@@ -126,7 +133,7 @@ class SamplingBatch:
     banned: tuple[list[int], list[int]] | None  # (rows, token ids) masked: min_tokens, one-token bad words
     # (rows, token ids, biases) of logit_bias, and (rows, token ids) of allowed_token_ids.
     bias: tuple[list[int], list[int], list[float]] | None
-    only: tuple[list[int], list[int]] | None
+    only: tuple[torch.Tensor, torch.Tensor] | None
     bad_sequences: BadWordSequences | None     # bad words of several tokens (one-token ones are banned)
     # The custom logits processors some row selected, in the worker's order, each with the
     # indices of those rows and what it knows of them.
@@ -161,7 +168,6 @@ class SamplingBatch:
             return to_device([x + [-1] * (width - len(x)) for x in lists], torch.long, device)
 
         bias = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias.items()]
-        only = [(i, t) for i, p in enumerate(params) for t in p.allowed_token_ids]
         # min_tokens' bans, and the bad words of one token.
         banned = [(i, t) for i, r in enumerate(rows)
                   for t in (*r.banned, *(r.bad_words.tokens if r.bad_words else ()))]
@@ -186,7 +192,7 @@ class SamplingBatch:
             prompt_ids=needs(repetition, lambda: padded([r.token_ids[:r.prompt_len] for r in rows])),
             banned=tuple(map(list, zip(*banned))) if banned else None,
             bias=tuple(map(list, zip(*bias))) if bias else None,
-            only=tuple(map(list, zip(*only))) if only else None,
+            only=_allowed_ids(rows, device),
             bad_sequences=BadWordSequences.build(rows, device, pending),
             processors=_processor_calls(rows, processors or {}, device),
             all_greedy=all_greedy,
@@ -198,6 +204,17 @@ class SamplingBatch:
                         else vocab_size),
             logprobs_top_n=max((p.logprobs for p in params if p.logprobs is not None), default=None),
         )
+
+
+def _allowed_ids(rows: list[SamplingRow], device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(row index, token id) of every id the rows' allowed_token_ids list, on `device`."""
+    listed = [(i, r.allowed_ids) for i, r in enumerate(rows) if r.allowed_ids is not None]
+    if not listed:
+        return None
+    counts = torch.tensor([len(ids) for _, ids in listed])
+    row_index = torch.repeat_interleave(torch.tensor([i for i, _ in listed]), counts)
+    return (to_device(row_index, torch.long, device),
+            to_device(torch.cat([ids for _, ids in listed]), torch.long, device))
 
 
 @dataclass
@@ -366,7 +383,7 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> SampledTokens:
                                   accumulate=True)
     if b.only is not None:
         # Rows that list allowed ids keep only those; other rows are untouched.
-        rows, ids = (to_device(x, torch.long, logits.device) for x in b.only)
+        rows, ids = b.only
         keep = torch.zeros_like(logits, dtype=torch.bool).index_put((rows, ids), torch.tensor(True, device=logits.device))
         listed = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device).index_fill(0, rows, True)
         logits = logits.masked_fill(listed[:, None] & ~keep, float("-inf"))

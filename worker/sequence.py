@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING
 from common.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    import torch
+
     from worker.sampler import BadWords
 
 
@@ -63,6 +65,7 @@ class Sequence:
     # compute (position 0 has none). Kept through preemption: what was sent is not sent again.
     prompt_logprobs_next: int = 1
     bad_words: BadWords | None = None   # params.bad_words as token sequences
+    allowed_ids: torch.Tensor | None = None     # params.allowed_token_ids as a tensor, once sampled
     # Its structured-output grammar state (llguidance LLMatcher) over the output tokens the
     # host has read; None when unconstrained (see worker.structured).
     matcher: object | None = None
