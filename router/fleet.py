@@ -136,6 +136,10 @@ class Fleet:
                 adapters.setdefault(name, (adapter.path, []))[1].append(worker_id)
         return adapters
 
+    def lora_unloading(self) -> set[str]:
+        """The adapters this router is unloading from some worker (no longer served)."""
+        return {name for client in self.workers.values() for name in client.lora_unloading}
+
     def lora_path(self, name: str) -> str | None:
         """Where the adapter is read from, as the workers see it (None: unknown)."""
         entry = self.lora_adapters().get(name)

@@ -35,9 +35,12 @@ class ServedModel:
     tokenizer: RouterTokenizer | None   # None: token ids only (see router.fleet.ModelSpec)
     lora_adapters: frozenset[str] = frozenset()   # LoRA adapters, each a model name of its own
     logits_processors: frozenset[str] = frozenset()   # selectable by name on every worker
+    lora_unloading: frozenset[str] = frozenset()  # adapters being unloaded (no longer served)
 
     def check_name(self, model: str) -> None:
         """Empty means the default; any other name must be served (NOT_FOUND otherwise)."""
+        if model in self.lora_unloading:
+            raise ApiError(grpc.StatusCode.NOT_FOUND, f"LoRA adapter {model!r} is being unloaded")
         if model and model not in self.names and model not in self.lora_adapters:
             raise ApiError(grpc.StatusCode.NOT_FOUND,
                            f"model {model!r} is not served here; served: "
@@ -46,6 +49,9 @@ class ServedModel:
     def lora_name(self, model: str, lora_name: str = "") -> str:
         """The LoRA adapter a request selects, by its dedicated field or by `model` (as OpenAI
         clients name a fine-tune); "" for the base model. NOT_FOUND for an unknown adapter."""
+        if lora_name in self.lora_unloading:
+            raise ApiError(grpc.StatusCode.NOT_FOUND, f"LoRA adapter {lora_name!r} is being unloaded",
+                           field="lora_name")
         if lora_name and lora_name not in self.lora_adapters:
             raise ApiError(grpc.StatusCode.NOT_FOUND,
                            f"LoRA adapter {lora_name!r} is not loaded; loaded: "

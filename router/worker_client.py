@@ -58,10 +58,13 @@ class Incoming:
 Inbox = asyncio.Queue[Incoming]
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Registration:
     inbox: Inbox
     tag: int
+    # A Submit under an adapter the worker was believed to hold: (the message, adapter name,
+    # path), so a refusal because the worker no longer holds it loads it and sends it again.
+    resend: tuple[worker_pb2.RouterMessage, str, str] | None = None
 
 
 class WorkerClient:
@@ -91,6 +94,11 @@ class WorkerClient:
         # Adapter name -> the count of load reports received when its load succeeded: a report
         # taken before the load finished may still arrive after it, without the adapter.
         self._lora_loaded: dict[str, int] = {}
+        # The converse: adapter name -> the count of load reports received when it was seen gone
+        # (unloaded by this router, or a Submit refused for want of it), and the names being
+        # unloaded now. A report taken earlier may still list them.
+        self._lora_gone: dict[str, int] = {}
+        self._lora_unloading: set[str] = set()
         self._reports = 0
         # Submits sent on the session, numbered, with what each holds once the worker reads it:
         # those a load report has not counted yet are `unread_tokens`.
@@ -137,8 +145,18 @@ class WorkerClient:
         return self.info is not None and self.info.max_loras > 0
 
     def lora_adapters(self) -> dict[str, worker_pb2.LoRAAdapter]:
-        """The adapters the worker holds, by name, from its latest load report."""
-        return {a.name: a for a in self.load.lora_adapters} if self.load is not None else {}
+        """The adapters the worker holds, by name: its latest load report's, less those being
+        unloaded and those seen gone since that report may have been taken (the second report
+        after says for sure)."""
+        if self.load is None:
+            return {}
+        return {a.name: a for a in self.load.lora_adapters
+                if a.name not in self._lora_unloading and self._reports - self._lora_gone.get(a.name, -2) >= 2}
+
+    @property
+    def lora_unloading(self) -> frozenset[str]:
+        """The adapters this router is having the worker unload."""
+        return frozenset(self._lora_unloading)
 
     def holds_lora(self, name: str) -> bool:
         """Whether the worker holds the adapter: in its latest report, or loaded by this router
@@ -152,13 +170,20 @@ class WorkerClient:
         adapter = await self._stub.LoadLoRAAdapter(
             worker_pb2.LoadLoRAAdapterRequest(lora_name=name, lora_path=path), timeout=timeout_s)
         self._lora_loaded[name] = self._reports
+        self._lora_gone.pop(name, None)
         return adapter
 
     async def unload_lora(self, name: str, timeout_s: float = 600.0) -> None:
-        """Has the worker forget the adapter once its requests under it have finished."""
+        """Has the worker forget the adapter once its requests under it have finished; it is
+        not listed as held from the start (no new request goes there for it)."""
         self._lora_loaded.pop(name, None)
-        await self._stub.UnloadLoRAAdapter(worker_pb2.UnloadLoRAAdapterRequest(lora_name=name),
-                                           timeout=timeout_s)
+        self._lora_unloading.add(name)
+        try:
+            await self._stub.UnloadLoRAAdapter(worker_pb2.UnloadLoRAAdapterRequest(lora_name=name),
+                                               timeout=timeout_s)
+        finally:
+            self._lora_unloading.discard(name)
+            self._lora_gone[name] = self._reports
 
     async def connect(self, timeout_s: float) -> worker_pb2.InfoResponse:
         """Fetches Info and opens the session (Hello, then the worker's first load report).
@@ -199,12 +224,14 @@ class WorkerClient:
             inbox.put_nowait(Incoming(tag, dispatch_id, self,
                                       WorkerLost(self.lost_reason or "not connected")))
             return
-        self._dispatches[dispatch_id] = _Registration(inbox, tag)
+        registration = self._dispatches[dispatch_id] = _Registration(inbox, tag)
         message = worker_pb2.RouterMessage(submit=worker_pb2.Submit(
             request_id=dispatch_id, prompt_token_ids=prompt_token_ids, params=params,
             priority=priority, output_token_ids=output_token_ids, trace_context=trace_context,
             lora_name=lora[0] if lora else ""))
         if lora is None or self.holds_lora(lora[0]):
+            if lora is not None:
+                registration.resend = (message, *lora)
             self._send_submit(message)
         else:
             asyncio.create_task(self._submit_after_load(dispatch_id, message, *lora))
@@ -316,11 +343,13 @@ class WorkerClient:
             if event.kind == worker_pb2.EVENT_KIND_DRAINED:
                 self._draining = True
                 log.info("worker drained", extra={"worker": self.worker_id})
-            else:
+            elif not self._reloads_lora_for(event):
                 self._deliver(event.request_id, event)
         elif kind == "load":
             self.load = message.load
             self._reports += 1
+            for name in [n for n, seen in self._lora_gone.items() if self._reports - seen >= 2]:
+                del self._lora_gone[name]
             if message.load.HasField("session_submits_read"):   # else a worker that does not say
                 while self._unread and self._unread[0][0] <= message.load.session_submits_read:
                     self._unread.popleft()
@@ -329,6 +358,24 @@ class WorkerClient:
             self._draining |= message.load.draining
             if self._on_load is not None:
                 self._on_load(self)
+
+    def _reloads_lora_for(self, event: worker_pb2.Event) -> bool:
+        """Whether a refusal is a Submit's whose adapter the worker no longer holds (dropped from
+        its host memory past --max-cpu-loras, or its load report was stale), now loaded on demand
+        and the Submit sent again, once. Not while this router unloads the adapter."""
+        registration = self._dispatches.get(event.request_id)
+        if (event.kind != worker_pb2.EVENT_KIND_FAILED or event.worker_fault or registration is None
+                or registration.resend is None or event.status_code != grpc.StatusCode.NOT_FOUND.value[0]):
+            return False
+        message, name, path = registration.resend
+        registration.resend = None
+        if name in self._lora_unloading:
+            return False
+        log.info("worker no longer holds the LoRA adapter", extra={"worker": self.worker_id, "lora": name})
+        self._lora_loaded.pop(name, None)
+        self._lora_gone[name] = self._reports
+        asyncio.create_task(self._submit_after_load(event.request_id, message, name, path))
+        return True
 
     def _deliver(self, dispatch_id: str,
                  payload: worker_pb2.RequestDelta | worker_pb2.Event) -> None:

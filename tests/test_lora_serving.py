@@ -196,9 +196,10 @@ def test_an_unload_its_caller_gives_up_on_leaves_the_adapter_serving(workers, ad
 
 @pytest.mark.parametrize("api", ["grpc", "http"])
 def test_a_request_for_an_adapter_being_unloaded_is_not_found_naming_it(workers, adapters, api):
-    """While an unload waits for the adapter's running request, the worker still reports the
-    adapter but refuses new requests under it: the client gets what an unknown adapter gets,
-    NOT_FOUND (HTTP 404) naming it, not a complaint about its own request."""
+    """While an unload waits for the adapter's running request, new requests under it are
+    refused (by the router, or by the worker for one already on its way): the client gets what
+    an unknown adapter gets, NOT_FOUND (HTTP 404) naming it, not a complaint about its own
+    request."""
     name = f"going-{api}"
 
     async def refusal(stub, client) -> tuple[int | grpc.StatusCode, str]:
@@ -229,7 +230,7 @@ def test_a_request_for_an_adapter_being_unloaded_is_not_found_naming_it(workers,
                 await asyncio.sleep(0.05)
             unload = asyncio.ensure_future(stub.UnloadLoRAAdapter(pb.UnloadLoRAAdapterRequest(lora_name=name)))
             refused = await refusal(stub, client)
-            # Refused by the worker mid-unload, not by the router once the adapter was gone.
+            # Refused mid-unload, not once the adapter was gone.
             assert not running.done() and not unload.done()
             await unload
             assert len(await running) == 3 * LONG
@@ -237,6 +238,61 @@ def test_a_request_for_an_adapter_being_unloaded_is_not_found_naming_it(workers,
     code, message = asyncio.run(scenario())
     assert code == (grpc.StatusCode.NOT_FOUND if api == "grpc" else 404)
     assert f"LoRA adapter {name!r} is being unloaded" in message
+
+
+def test_an_adapter_unloaded_while_it_serves_can_be_loaded_again_from_another_path_at_once(
+        workers, adapters, expected):
+    """Unload, then load under the same name: how a client updates an adapter. The unload
+    returns once the running request has finished; the workers' load reports taken before then
+    still listed the adapter, and must not make the new load a clash with the old path."""
+    async def scenario():
+        async with running_router(workers["holder"], workers["spare"]) as router, \
+                grpc.aio.insecure_channel(router.address) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            await stub.LoadLoRAAdapter(pb.LoadLoRAAdapterRequest(lora_name="updated", lora_path=adapters["poet"][0]))
+            running = asyncio.create_task(tokens(stub, pb.GenerateRequest(
+                text=PROMPTS[0], lora_name="updated", params=pb.SamplingParameters(max_tokens=LONG, ignore_eos=True))))
+            while not any(a.num_requests for w in router.fleet.workers.values()
+                          for a in w.lora_adapters().values() if a.name == "updated"):
+                await asyncio.sleep(0.05)
+            await stub.UnloadLoRAAdapter(pb.UnloadLoRAAdapterRequest(lora_name="updated"))
+            assert len(await running) == LONG
+            try:
+                loaded = await stub.LoadLoRAAdapter(pb.LoadLoRAAdapterRequest(
+                    lora_name="updated", lora_path=adapters["sql"][0]))
+                assert loaded.adapter.path == adapters["sql"][0]
+                info = await stub.ModelInfo(pb.ModelInfoRequest())
+                assert [a.path for a in info.lora_adapters if a.name == "updated"] == [adapters["sql"][0]]
+                return await tokens(stub, greedy(PROMPTS[1], lora_name="updated"))
+            finally:
+                await stub.UnloadLoRAAdapter(pb.UnloadLoRAAdapterRequest(lora_name="updated"))
+    assert asyncio.run(scenario()) == expected["sql", PROMPTS[1]][:MAX_TOKENS]
+
+
+def test_a_request_for_an_adapter_its_worker_dropped_from_host_memory_loads_it_again(adapters, expected):
+    """A worker holding one adapter in host memory (--max-cpu-loras 1) drops the first when the
+    second loads; the router, which still knows the first one's path, has it loaded again for
+    the next request under it, even when it still believed the worker held it."""
+    worker = WorkerProcess(["--worker-id", "small", "--model", "default", "--device", "cpu", "--dtype", "float32",
+                            "--enable-lora", "--max-loras", "1", "--max-cpu-loras", "1"], env={"OMP_NUM_THREADS": "1"})
+    worker.start()
+    worker.wait_ready()
+
+    async def scenario():
+        async with running_router(worker) as router, grpc.aio.insecure_channel(router.address) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            for name in ("first", "second"):
+                path = adapters["poet" if name == "first" else "sql"][0]
+                await stub.LoadLoRAAdapter(pb.LoadLoRAAdapterRequest(lora_name=name, lora_path=path))
+            first = await tokens(stub, greedy(PROMPTS[0], lora_name="first"))
+            second = await tokens(stub, greedy(PROMPTS[0], lora_name="second"))
+            return first, second
+    try:
+        first, second = asyncio.run(scenario())
+    finally:
+        worker.__exit__()
+    assert first == expected["poet", PROMPTS[0]][:MAX_TOKENS]
+    assert second == expected["sql", PROMPTS[0]][:MAX_TOKENS]
 
 
 def test_an_adapter_that_makes_nan_logits_fails_its_request_as_internal_and_the_worker_serves_on(
