@@ -18,6 +18,7 @@ import logging
 import math
 import socket
 import uuid
+import zlib
 from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
@@ -74,22 +75,61 @@ def error_response(error: HttpError) -> web.Response:
     return response
 
 
+# Content-Encoding -> zlib's wbits for it. The app decodes bodies itself (aiohttp's own decoding
+# is off: it answered an encoding it lacks, such as br, with a plain-text 400 before any
+# middleware, and took unknown ones as no encoding at all).
+BODY_ENCODINGS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+
+
+def _content_codings(request: web.Request) -> list[str]:
+    """The body's Content-Encoding codings, in the order they were applied; 415 for one this
+    server cannot decode."""
+    codings = [c.strip().lower() for c in request.headers.get("Content-Encoding", "").split(",")]
+    codings = [c for c in codings if c and c != "identity"]
+    for coding in codings:
+        if coding not in BODY_ENCODINGS:
+            raise HttpError(415, f"Content-Encoding {coding!r} is not supported: send the body as it is, or "
+                            f"compressed with {', '.join(sorted(BODY_ENCODINGS))}", "Content-Encoding")
+    return codings
+
+
+def _decoded(body: bytes, coding: str) -> bytes:
+    """`body` decompressed, at most MAX_BODY_BYTES of it (a bomb is 413, not a full memory)."""
+    inflate = zlib.decompressobj(BODY_ENCODINGS[coding])
+    try:
+        out = inflate.decompress(body, MAX_BODY_BYTES + 1)
+        if len(out) > MAX_BODY_BYTES or inflate.unconsumed_tail:
+            raise HttpError(413, f"request body too large: over {MAX_BODY_BYTES} bytes once decompressed ({coding})")
+        if not inflate.eof:
+            raise zlib.error("the compressed stream ends early")
+    except zlib.error as error:
+        raise HttpError(400, f"the body cannot be read: it is not valid {coding} data ({error})",
+                        "Content-Encoding") from None
+    return out
+
+
 async def _body_text(request: web.Request) -> str:
-    """The body as text. JSON is UTF-8 (RFC 8259): a body declared in another charset, or in one
-    unknown, is refused rather than read as what it says it is not."""
+    """The body as text, decompressed as its Content-Encoding says. JSON is UTF-8 (RFC 8259): a
+    body declared in another charset, or in one unknown, is refused rather than read as what it
+    says it is not."""
     charset = request.charset
     if charset is not None and charset.lower() not in ("utf-8", "utf8"):
         raise HttpError(415, f"charset={charset} is not supported: send the JSON body as UTF-8 "
                         "(Content-Type: application/json, or with charset=utf-8)")
+    codings = _content_codings(request)
     if (length := request.content_length) is not None and length > MAX_BODY_BYTES:
         # Said at once, rather than after waiting for a body that may never come.
         raise HttpError(413, f"request body too large: Content-Length {length}, at most {MAX_BODY_BYTES} bytes")
     try:
-        return (await request.read()).decode("utf-8")
-    except web.RequestPayloadError as error:     # a broken gzip stream, say
+        body = await request.read()
+    except web.RequestPayloadError as error:     # a broken chunked transfer, say
         cause = error.__cause__
         problem = cause.message if isinstance(cause, HttpProcessingError) else str(error)
         raise HttpError(400, f"the body cannot be read: {problem}") from None
+    for coding in reversed(codings):
+        body = _decoded(body, coding)
+    try:
+        return body.decode("utf-8")
     except UnicodeDecodeError as error:
         raise HttpError(400, f"the body is not valid UTF-8, as JSON must be: {error.reason} at "
                         f"byte {error.start}") from None
@@ -122,13 +162,13 @@ class OpenAIApi:
         self.metrics, self.ready = metrics, ready
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY_BYTES,
+        app = web.Application(client_max_size=MAX_BODY_BYTES, handler_args={"auto_decompress": False},
                               middlewares=[self._request_id, self._errors, self._preflight, self._auth])
         app.on_response_prepare.append(self._cors)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/v1/models/{model}", self.model)
+        app.router.add_get("/v1/models/{model:.+}", self.model)     # ids may hold a "/"
         app.router.add_post("/v1/load_lora_adapter", self.load_lora_adapter)
         app.router.add_post("/v1/unload_lora_adapter", self.unload_lora_adapter)
         app.router.add_post("/tokenize", self.tokenize)

@@ -47,6 +47,7 @@ from router.preemption import PriorityPreemption
 from router.rebalance import Rebalancer
 from router.lora_adapters import LoRAAdapters
 from router.requests import (
+    UNSET_MAX_TOKENS_RESERVATION,
     PreparedRequest,
     ServedModel,
     encode_prompt,
@@ -228,7 +229,13 @@ class GenerationService:
         except NoWorkers as error:
             raise unavailable(str(error)) from None
         except RequestTooLarge as error:
-            raise invalid_argument(str(error)) from None
+            if prepared.max_tokens_set:
+                raise invalid_argument(str(error)) from None
+            # The client set no max_tokens: say what was reserved in its place, and name n.
+            raise invalid_argument(
+                f"{error}; with max_tokens unset, {UNSET_MAX_TOKENS_RESERVATION} output tokens are reserved "
+                f"for each of the n={prepared.n} choices: set max_tokens, or ask for fewer choices",
+                "params.n" if prepared.n > 1 else "params.max_tokens") from None
 
     def _next_dispatch_id(self) -> str:
         return f"{self._fleet.router_id}-{next(self._dispatch_ids)}"

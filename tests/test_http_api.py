@@ -7,6 +7,7 @@ each test states one behaviour of the HTTP API a client relies on.
 from __future__ import annotations
 
 import contextlib
+import gzip
 import json
 import os
 import re
@@ -14,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal
@@ -111,6 +113,15 @@ def post(router: RouterProcess, path: str, body, key: str | None = API_KEY, **kw
 def test_models_lists_the_served_model(client, model):
     assert model == "smollm2-135m-instruct"
     assert [m.id for m in client.models.list().data] == [model]
+
+
+def test_retrieving_a_model_whose_id_holds_a_slash_reaches_the_handler(router, model):
+    """Hugging Face ids (org/name) are model ids too: not a 404 of the router's path table."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    assert httpx.get(f"{router.url}/v1/models/{model}", headers=headers).json()["id"] == model
+    r = httpx.get(f"{router.url}/v1/models/org/{model}", headers=headers)
+    error = r.json()["error"]
+    assert r.status_code == 404 and error["code"] == "model_not_found" and f"'org/{model}'" in error["message"]
 
 
 def test_completion_equals_grpc_greedy_output_with_usage(client, router, model):
@@ -247,6 +258,16 @@ def test_chat_without_max_tokens_is_not_cut_at_16_tokens(client, model):
     assert chat.choices[0].finish_reason == "stop" and chat.usage.completion_tokens > 16
 
 
+def test_a_chat_without_max_tokens_whose_choices_cannot_all_fit_is_400_naming_n(router, model):
+    """Each choice of a chat without max_tokens reserves 1,024 output tokens; 128 choices of
+    them are more than the worker's pool holds."""
+    r = post(router, "/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": "hi"}],
+                                              "n": 128})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "n", r.text
+    assert "with max_tokens unset, 1024 output tokens are reserved for each of the n=128 choices" in error["message"]
+
+
 def test_completion_without_max_tokens_stops_at_16_tokens(router, model):
     r = post(router, "/v1/completions", {"model": model, "prompt": PROMPT, "ignore_eos": True})
     assert r.json()["usage"]["completion_tokens"] == 16 and r.json()["choices"][0]["finish_reason"] == "length"
@@ -273,6 +294,36 @@ def test_a_content_length_past_the_limit_is_413_before_any_body_is_sent(router):
     reply = reply.decode()
     assert reply.startswith("HTTP/1.1 413") and "Content-Length 99999999999" in reply
     assert "Connection: close" in reply
+
+
+def completion_body(model) -> bytes:
+    return json.dumps({"model": model, "prompt": PROMPT, "max_tokens": 2}).encode()
+
+
+@pytest.mark.parametrize("coding", ["gzip", "deflate", "gzip, identity"])
+def test_a_compressed_body_is_read_as_its_content_encoding_says(router, model, coding):
+    compress = zlib.compress if coding == "deflate" else gzip.compress
+    r = post_raw(router, compress(completion_body(model)), **{"Content-Encoding": coding})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
+
+
+@pytest.mark.parametrize("coding", ["br", "zstd", "foo", "gzip, br"])
+def test_a_content_encoding_the_server_cannot_decode_is_415_naming_it(router, model, coding):
+    r = post_raw(router, completion_body(model), **{"Content-Encoding": coding})
+    error = r.json()["error"]
+    assert r.status_code == 415 and error["param"] == "Content-Encoding", r.text
+    assert coding.split(", ")[-1] in error["message"] and r.headers["X-Request-Id"]
+
+
+def test_a_corrupt_gzip_body_is_400_saying_so(router, model):
+    r = post_raw(router, gzip.compress(completion_body(model))[:-12], **{"Content-Encoding": "gzip"})
+    assert r.status_code == 400 and "not valid gzip data" in r.json()["error"]["message"], r.text
+
+
+def test_a_gzip_body_past_the_limit_once_decompressed_is_413(router, model):
+    bomb = gzip.compress(b" " * (9 * 2**20) + completion_body(model))
+    r = post_raw(router, bomb, **{"Content-Encoding": "gzip"})
+    assert r.status_code == 413 and "once decompressed" in r.json()["error"]["message"], r.text
 
 
 def test_missing_or_wrong_api_key_is_401_and_health_stays_open(router, model):
