@@ -99,6 +99,9 @@ def names_for(body: dict, *, chat: bool) -> dict[str, str]:
         names = names | {f"params.structured_output.{kind}": f"structured_outputs.{name}"
                          for name, kind in STRUCTURED_KINDS.items() if name in constraints}
         names["params.structured_output"] = "structured_outputs"
+    elif guided := [name for name in GUIDED_FIELDS if body.get(name) is not None]:
+        names = names | {f"params.structured_output.{STRUCTURED_KINDS[GUIDED_FIELDS[guided[0]]]}": guided[0],
+                         "params.structured_output": guided[0]}
     elif chat and body.get("tools") and body.get("tool_choice") not in (None, "auto", "none"):
         # A forced or required call's constraint is made of the tools' parameters.
         names = names | {"params.structured_output.json_schema": "tools", "params.structured_output": "tools"}
@@ -309,11 +312,32 @@ STRUCTURED_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice",
                     "json_object": "json_object"}
 
 
+# vLLM's older fields for the same constraints (its releases before structured_outputs), which
+# clients written for them still send: read as the structured_outputs kind each names, rather
+# than ignored (a client would get free text where it asked for JSON).
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}
+
+
 def structured_output(body: dict) -> pb.StructuredOutput | None:
     """The output constraint of a body: OpenAI's `response_format` (`json_object`, or
     `json_schema` with its `schema`), or vLLM's `structured_outputs` (one of `json`, a schema
     as an object or JSON text; `regex`; `choice`, a list of strings; `grammar`, Lark or GBNF;
-    `json_object`: true). Whether it compiles is checked with the gRPC API's rules."""
+    `json_object`: true), or its older `guided_*` fields. Whether it compiles is checked with
+    the gRPC API's rules."""
+    guided = [name for name in GUIDED_FIELDS if body.get(name) is not None]
+    if guided:
+        given = guided + (["structured_outputs"] if body.get("structured_outputs") is not None else [])
+        if len(given) > 1:
+            raise HttpError(400, f"give one of structured_outputs and the older {', '.join(GUIDED_FIELDS)}; "
+                            f"this gives {' and '.join(given)}", guided[0])
+        try:
+            return structured_output({key: value for key, value in body.items() if key != guided[0]}
+                                     | {"structured_outputs": {GUIDED_FIELDS[guided[0]]: body[guided[0]]}})
+        except HttpError as error:     # named as the client named it
+            if (error.param or "").startswith("structured_outputs"):
+                error.param = guided[0]
+            raise
     response_format = body_field(body, "response_format", (dict,), {})
     kind = response_format.get("type", "text")
     # Absent or null is no constraint; an object sent must set one (`{}` too, as in vLLM).

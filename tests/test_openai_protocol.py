@@ -275,6 +275,27 @@ def test_response_format_and_structured_outputs_become_the_grpc_constraint(body,
     assert constraint_of(body) == expected
 
 
+@pytest.mark.parametrize("body,expected", [
+    ({"guided_json": SCHEMA}, pb.StructuredOutput(json_schema=json.dumps(SCHEMA))),
+    ({"guided_regex": "[a-z]+"}, pb.StructuredOutput(regex="[a-z]+")),
+    ({"guided_choice": ["yes", "no"]}, pb.StructuredOutput(choice=pb.Choices(values=["yes", "no"]))),
+    ({"guided_grammar": 'start: "a"'}, pb.StructuredOutput(grammar='start: "a"')),
+], ids=["json", "regex", "choice", "grammar"])
+def test_vllms_older_guided_fields_become_the_grpc_constraint(body, expected):
+    assert constraint_of(body) == expected
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"guided_regex": "a", "structured_outputs": {"regex": "b"}}, "guided_regex"),
+    ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_regex"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_json": {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}, "guided_json"),
+])
+def test_a_malformed_guided_field_is_400_naming_it(served, body, param):
+    error = refusal({"model": MODEL, "messages": MESSAGES} | body, served, chat=True)
+    assert error["status"] == 400 and error["param"] == param, error
+
+
 def test_text_response_format_is_no_constraint():
     [request] = generate_requests({"messages": MESSAGES, "response_format": {"type": "text"}}, chat=True,
                                   request_id="r")
