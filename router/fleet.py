@@ -82,6 +82,8 @@ class Fleet:
         # LoRA adapters loaded through this router, name -> path: loadable on any worker even
         # before (or after) a worker reports holding them.
         self.lora_paths: dict[str, str] = {}
+        # Adapters this router is unloading: no longer served, though workers still report them.
+        self.lora_unloading: set[str] = set()
 
     @property
     def model(self) -> ModelSpec | None:
@@ -134,11 +136,7 @@ class Fleet:
         for worker_id, client in self.workers.items():
             for name, adapter in client.lora_adapters().items():
                 adapters.setdefault(name, (adapter.path, []))[1].append(worker_id)
-        return adapters
-
-    def lora_unloading(self) -> set[str]:
-        """The adapters this router is unloading from some worker (no longer served)."""
-        return {name for client in self.workers.values() for name in client.lora_unloading}
+        return {name: entry for name, entry in adapters.items() if name not in self.lora_unloading}
 
     def lora_path(self, name: str) -> str | None:
         """Where the adapter is read from, as the workers see it (None: unknown)."""

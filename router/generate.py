@@ -346,7 +346,8 @@ class GenerateRun:
             return None
         path = self._fleet.lora_path(name)
         if path is None:
-            raise ApiError(grpc.StatusCode.NOT_FOUND, f"LoRA adapter {name!r} was unloaded", field="lora_name")
+            gone = "is being unloaded" if name in self._fleet.lora_unloading else "was unloaded"
+            raise ApiError(grpc.StatusCode.NOT_FOUND, f"LoRA adapter {name!r} {gone}", field="lora_name")
         return name, path
 
     # ---------------------------------------------------------------- router.preemption

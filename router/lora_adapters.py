@@ -75,7 +75,11 @@ class LoRAAdapters:
         # Forgotten here first, so no new request is placed on (or loads it onto) a worker.
         self._fleet.lora_paths.pop(name, None)
         holders = [w for w in self._fleet.workers.values() if w.holds_lora(name)]
-        results = await asyncio.gather(*(w.unload_lora(name) for w in holders), return_exceptions=True)
+        self._fleet.lora_unloading.add(name)
+        try:
+            results = await asyncio.gather(*(w.unload_lora(name) for w in holders), return_exceptions=True)
+        finally:
+            self._fleet.lora_unloading.discard(name)
         for worker, result in zip(holders, results):
             # NOT_FOUND: it was gone already (evicted from host memory); a lost worker holds nothing.
             if isinstance(result, grpc.aio.AioRpcError) and result.code() not in (

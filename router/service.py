@@ -89,7 +89,7 @@ class GenerationService:
             raise unavailable("no worker has connected yet, so the served model is unknown")
         return ServedModel(self._served_names or (model.name,), model.max_model_len,
                            model.vocab_size, model.tokenizer, frozenset(self._fleet.lora_adapters()),
-                           model.logits_processors, frozenset(self._fleet.lora_unloading()))
+                           model.logits_processors, frozenset(self._fleet.lora_unloading))
 
     # ---------------------------------------------------------------- Generate
 

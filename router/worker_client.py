@@ -153,11 +153,6 @@ class WorkerClient:
         return {a.name: a for a in self.load.lora_adapters
                 if a.name not in self._lora_unloading and self._reports - self._lora_gone.get(a.name, -2) >= 2}
 
-    @property
-    def lora_unloading(self) -> frozenset[str]:
-        """The adapters this router is having the worker unload."""
-        return frozenset(self._lora_unloading)
-
     def holds_lora(self, name: str) -> bool:
         """Whether the worker holds the adapter: in its latest report, or loaded by this router
         so recently that no report taken after the load has come (the one taken while it
