@@ -2,13 +2,19 @@
 
 import pytest
 
-from worker.config import DEFAULT_STEP_TOKENS, EngineConfig
+from worker.config import DEFAULT_LONG_PREFILL_TOKENS, DEFAULT_STEP_TOKENS, EngineConfig
 
 
 def test_a_gpu_takes_4096_token_steps_and_asynchronous_scheduling_by_default():
     config = EngineConfig(model="default").for_device("cuda")
     assert config.max_num_batched_tokens == DEFAULT_STEP_TOKENS["cuda"] == 4096
     assert config.async_scheduling is True
+
+
+def test_a_gpu_lets_one_prompt_take_the_whole_step_and_the_cpu_512_tokens_of_it_by_default():
+    assert EngineConfig(model="default").for_device("cuda").long_prefill_token_threshold == 0
+    cpu = EngineConfig(model="default").for_device("cpu")
+    assert cpu.long_prefill_token_threshold == DEFAULT_LONG_PREFILL_TOKENS["cpu"] == 512
 
 
 def test_the_cpu_takes_2048_token_steps_without_asynchronous_scheduling_by_default():
@@ -19,15 +25,18 @@ def test_the_cpu_takes_2048_token_steps_without_asynchronous_scheduling_by_defau
 
 @pytest.mark.parametrize("device_type", ["cuda", "cpu"])
 def test_settings_given_are_kept_on_any_device(device_type):
-    config = EngineConfig(model="default", max_num_batched_tokens=512, async_scheduling=False)
+    config = EngineConfig(model="default", max_num_batched_tokens=512, async_scheduling=False,
+                          long_prefill_token_threshold=0)
     resolved = config.for_device(device_type)
-    assert (resolved.max_num_batched_tokens, resolved.async_scheduling) == (512, False)
+    assert (resolved.max_num_batched_tokens, resolved.async_scheduling, resolved.long_prefill_token_threshold) == \
+        (512, False, 0)
     assert resolved == config
 
 
 def test_the_defaults_are_left_to_the_device_until_it_is_known():
     config = EngineConfig(model="default")
     assert config.max_num_batched_tokens is None and config.async_scheduling is None
+    assert config.long_prefill_token_threshold is None
 
 
 @pytest.mark.parametrize("budget", [0, -1])

@@ -20,6 +20,12 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 # on smaller ones. On the CPU, where prompt tokens compute far more slowly and every running
 # decode waits out the step, the smaller budget (not measured against 4096 there).
 DEFAULT_STEP_TOKENS = {"cuda": 4096, "cpu": 2048}
+# --long-prefill-token-threshold when not given, by device type (0: a prompt may take the whole
+# budget). On the CPU a 6,000-token prompt in 2,048-token chunks stalled a running decode 12-15 s
+# a step on a 2-core machine, and reached its first token later than in 512-token chunks (29.7-32.1
+# s against 23.8-25.0: the attention of a long chunk over its context is the slow part there);
+# docs/BENCHMARKS.md, 2026-12-07.
+DEFAULT_LONG_PREFILL_TOKENS = {"cuda": 0, "cpu": 512}
 
 
 @dataclass(frozen=True)
@@ -80,8 +86,9 @@ class EngineConfig:
     # Token budget of one step; None: DEFAULT_STEP_TOKENS for the device (`for_device`).
     max_num_batched_tokens: int | None = None
     # Most prompt tokens one sequence computes in a step (0: up to the budget), vLLM's name: a
-    # long document then leaves room for the decodes and short prompts beside it.
-    long_prefill_token_threshold: int = 0
+    # long document then leaves room for the decodes and short prompts beside it. None:
+    # DEFAULT_LONG_PREFILL_TOKENS for the device.
+    long_prefill_token_threshold: int | None = None
     max_model_len: int | None = None      # default: the model's, capped by the pool
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_gb: float = 1.0       # KV pool size on the CPU
@@ -122,7 +129,7 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= 1")
-        if self.long_prefill_token_threshold < 0:
+        if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold={self.long_prefill_token_threshold} "
                              f"must be >= 0 (0: no limit)")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -156,9 +163,13 @@ class EngineConfig:
 
     def for_device(self, device_type: str) -> "EngineConfig":
         """This config with the settings left to the device (None) chosen for `device_type`
-        ("cuda" or "cpu"): the step's token budget and asynchronous scheduling."""
+        ("cuda" or "cpu"): the step's token budget, the prompt tokens of one sequence a step and
+        asynchronous scheduling."""
         return replace(
             self,
             max_num_batched_tokens=(DEFAULT_STEP_TOKENS.get(device_type, DEFAULT_STEP_TOKENS["cpu"])
                                     if self.max_num_batched_tokens is None else self.max_num_batched_tokens),
+            long_prefill_token_threshold=(
+                DEFAULT_LONG_PREFILL_TOKENS.get(device_type, DEFAULT_LONG_PREFILL_TOKENS["cpu"])
+                if self.long_prefill_token_threshold is None else self.long_prefill_token_threshold),
             async_scheduling=device_type == "cuda" if self.async_scheduling is None else self.async_scheduling)

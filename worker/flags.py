@@ -73,7 +73,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
       help="token budget of one step (prefill chunks + decodes); default 4096 on a GPU, 2048 "
            "on the CPU")
     a("--long-prefill-token-threshold", type=int, default=d.long_prefill_token_threshold,
-      help="most prompt tokens one request computes in a step (0: up to the step's budget)")
+      help="most prompt tokens one request computes in a step (0: up to the step's budget); "
+           "default 0 on a GPU, 512 on the CPU")
     a("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
     a("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
       help="share of GPU memory for weights, activations and the KV pool")
