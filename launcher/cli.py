@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import os
 import secrets
 import signal
@@ -172,12 +173,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     if args.role == "router" and not args.workers:
         parser.error("--role router needs --workers (for example --workers 10.0.0.7:50061)")
-    if args.worker_timeout <= 0:
-        parser.error(f"--worker-timeout {args.worker_timeout:g} must be above 0 seconds")
-    if args.discovery_interval <= 0:
-        parser.error(f"--discovery-interval {args.discovery_interval:g} must be above 0 seconds")
-    if args.preemption_min_run < 0:
-        parser.error(f"--preemption-min-run {args.preemption_min_run:g} must be 0 seconds or more")
+    _check_ranges(args, parser)
     _check_tls_flags(args, parser)
     setup_logging(args.log_level, args.log_format)
     try:
@@ -190,6 +186,33 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         # Any other exception is a bug and keeps its traceback.
         print(f"pagedserve: {error}", file=sys.stderr)
         return WORKER_REFUSED if args.role == "worker" else 1
+
+
+# Port flags and the value each takes besides a port (0: any free port the system gives).
+_PORT_FLAGS = {"port": None, "worker_port": None, "metrics_port": "0: off", "health_port": "0: off",
+               "http_port": "-1: off"}
+# The router's numeric flags: (smallest, whether the smallest itself is allowed, its meaning).
+_ROUTER_LIMITS = {"max_concurrent_requests": (1, True, ""), "max_queue_len": (0, True, ""),
+                  "max_queue_wait": (0, True, " seconds"), "overcommit": (0, False, ""),
+                  "worker_timeout": (0, False, " seconds"), "discovery_interval": (0, False, " seconds"),
+                  "preemption_min_run": (0, True, " seconds"), "slow_reader_timeout": (0, True, " seconds"),
+                  "slow_reader_backlog": (1, True, ""), "rebalance_after": (0, True, " seconds"),
+                  "rebalance_interval": (0, True, " seconds"), "shutdown_grace": (0, True, " seconds")}
+
+
+def _check_ranges(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Out-of-range ports and router settings are usage errors, not a server that listens
+    elsewhere (a port past 65535 wraps) or refuses every request (an overcommit of 0 or NaN)."""
+    for name, off in _PORT_FLAGS.items():
+        value = getattr(args, name)
+        if not (0 <= value <= 65535 or (off and value == int(off.split(":")[0]))):
+            parser.error(f"--{name.replace('_', '-')} {value} is not a port: it takes 0 to 65535 "
+                         f"(0: any free port{'; ' + off if off else ''})")
+    for name, (low, inclusive, unit) in _ROUTER_LIMITS.items():
+        value = getattr(args, name)
+        if not (math.isfinite(value) and (value >= low if inclusive else value > low)):
+            parser.error(f"--{name.replace('_', '-')} {value:g} must be {'at least' if inclusive else 'above'} "
+                         f"{low}{unit}")
 
 
 def _serve_role(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

@@ -101,6 +101,15 @@ def test_a_router_needs_no_torch():
 
 @pytest.mark.parametrize("argv, message", [
     (["serve", "--role", "router"], "--role router needs --workers"),
+    (["serve", "--port", "70000"], "--port 70000 is not a port: it takes 0 to 65535"),
+    (["serve", "--http-port", "-2"], "--http-port -2 is not a port: it takes 0 to 65535 (0: any free port; -1: off)"),
+    (["serve", "--metrics-port", "-1"], "--metrics-port -1 is not a port"),
+    (["serve", "--overcommit", "nan"], "--overcommit nan must be above 0"),
+    (["serve", "--overcommit", "0"], "--overcommit 0 must be above 0"),
+    (["serve", "--max-concurrent-requests", "0"], "--max-concurrent-requests 0 must be at least 1"),
+    (["serve", "--max-queue-len", "-1"], "--max-queue-len -1 must be at least 0"),
+    (["serve", "--max-queue-wait", "-1"], "--max-queue-wait -1 must be at least 0 seconds"),
+    (["serve", "--worker-timeout", "inf"], "--worker-timeout inf must be above 0 seconds"),
 ])
 def test_serve_refuses_what_it_cannot_do(argv, message, capsys):
     with pytest.raises(SystemExit):
@@ -194,8 +203,10 @@ def test_serve_refuses_one_port_given_to_two_flags():
 @pytest.mark.parametrize("flags, message", [
     (["--model", "/no/such/model"], "model path '/no/such/model' does not exist"),
     (["--block-size", "-16"], "block_size=-16 must be one of 8, 16, 32, 64, 128"),
+    (["--max-model-len", "-1"], "max_model_len=-1 must be >= 1"),
+    (["--swap-space", "-1"], "swap_space_gb=-1.0 must be >= 0"),
     (["--model", "DAMAGED"], "damaged.gguf is not a valid GGUF file"),
-], ids=["missing model", "negative block size", "damaged gguf"])
+], ids=["missing model", "negative block size", "negative context", "negative swap space", "damaged gguf"])
 def test_start_up_error_is_one_line_without_traceback(role, flags, message, tmp_path):
     damaged = tmp_path / "damaged.gguf"
     damaged.write_bytes(b"GGUF" + bytes(range(256)) * 4)

@@ -43,3 +43,15 @@ def test_the_defaults_are_left_to_the_device_until_it_is_known():
 def test_a_step_budget_below_one_is_refused_naming_the_setting(budget):
     with pytest.raises(ValueError, match=f"max_num_batched_tokens={budget} must be >= 1"):
         EngineConfig(model="default", max_num_batched_tokens=budget).validate()
+
+
+@pytest.mark.parametrize("setting, value, message", [
+    ("max_model_len", 0, "max_model_len=0 must be >= 1"),
+    ("kv_cache_memory_gb", -1.0, "kv_cache_memory_gb=-1.0 must be above 0"),
+    ("kv_cache_memory_gb", float("nan"), "kv_cache_memory_gb=nan must be above 0"),
+    ("swap_space_gb", -1.0, "swap_space_gb=-1.0 must be >= 0"),
+    ("stall_timeout_s", float("nan"), "stall_timeout_s=nan must be >= 0"),
+])
+def test_a_size_out_of_range_is_refused_naming_the_setting(setting, value, message):
+    with pytest.raises(ValueError, match=f"^{message}"):
+        EngineConfig(model="default", **{setting: value}).validate()

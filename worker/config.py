@@ -1,5 +1,6 @@
 """Configuration records of the worker: the model's shape and the engine's limits."""
 
+import math
 from dataclasses import dataclass, field, replace
 
 # --quantization values: how the decoder's linear layers compute (vLLM's names). "none" keeps the
@@ -132,6 +133,12 @@ class EngineConfig:
         if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold={self.long_prefill_token_threshold} "
                              f"must be >= 0 (0: no limit)")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len={self.max_model_len} must be >= 1")
+        if not (math.isfinite(self.kv_cache_memory_gb) and self.kv_cache_memory_gb > 0):
+            raise ValueError(f"kv_cache_memory_gb={self.kv_cache_memory_gb} must be above 0")
+        if not (math.isfinite(self.swap_space_gb) and self.swap_space_gb >= 0):
+            raise ValueError(f"swap_space_gb={self.swap_space_gb} must be >= 0 (0: no swap space)")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
         if self.scheduling_policy not in ("fcfs", "priority"):
@@ -140,7 +147,7 @@ class EngineConfig:
             raise ValueError(f"preemption_mode={self.preemption_mode!r} must be swap or recompute")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
-        if self.stall_timeout_s < 0:
+        if not self.stall_timeout_s >= 0:       # NaN too
             raise ValueError(f"stall_timeout_s={self.stall_timeout_s} must be >= 0 (0: no watchdog)")
         if self.enable_lora:
             if not 1 <= self.max_loras <= 64:
