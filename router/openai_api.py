@@ -454,7 +454,9 @@ class OpenAIApi:
 
     async def detokenize(self, request: web.Request) -> web.Response:
         body = await self._body(request)
-        tokens = int_list(body_field(body, "tokens", (list,), []), "tokens")
+        if body.get("tokens") is None:
+            raise HttpError(400, "tokens is required: the token ids to turn into text", "tokens")
+        tokens = int_list(body_field(body, "tokens", (list,)), "tokens")
         try:
             result = await self.service.detokenize(pb.DetokenizeRequest(
                 model=body_field(body, "model", (str,), ""), token_ids=tokens))

@@ -51,6 +51,7 @@ def test_a_step_budget_below_one_is_refused_naming_the_setting(budget):
     ("kv_cache_memory_gb", float("nan"), "kv_cache_memory_gb=nan must be above 0"),
     ("swap_space_gb", -1.0, "swap_space_gb=-1.0 must be >= 0"),
     ("stall_timeout_s", float("nan"), "stall_timeout_s=nan must be >= 0"),
+    ("max_lora_rank", 1000, r"max_lora_rank=1000 must be in \[1, 256\]"),
 ])
 def test_a_size_out_of_range_is_refused_naming_the_setting(setting, value, message):
     with pytest.raises(ValueError, match=f"^{message}"):

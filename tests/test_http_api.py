@@ -235,6 +235,7 @@ def test_extra_sampling_fields_accepted(router, model):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                               "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("/tokenize", {}, 400, "prompt"),
+    ("/detokenize", {}, 400, "tokens"),
     ("/tokenize", {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}, 400, "prompt"),
 ])
 def test_a_refused_request_gets_an_openai_error_naming_its_field_and_the_server_serves_on(

@@ -149,11 +149,11 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
         if not self.stall_timeout_s >= 0:       # NaN too
             raise ValueError(f"stall_timeout_s={self.stall_timeout_s} must be >= 0 (0: no watchdog)")
+        if not 1 <= self.max_lora_rank <= 256:      # given without enable_lora too: a flag is checked
+            raise ValueError(f"max_lora_rank={self.max_lora_rank} must be in [1, 256]")
         if self.enable_lora:
             if not 1 <= self.max_loras <= 64:
                 raise ValueError(f"max_loras={self.max_loras} must be in [1, 64]")
-            if not 1 <= self.max_lora_rank <= 256:
-                raise ValueError(f"max_lora_rank={self.max_lora_rank} must be in [1, 256]")
             if self.max_cpu_loras < self.max_loras:
                 raise ValueError(f"max_cpu_loras={self.max_cpu_loras} must be >= max_loras={self.max_loras}")
             if len(self.lora_modules) > self.max_cpu_loras:
