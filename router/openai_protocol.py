@@ -224,6 +224,13 @@ def sampling_parameters(body: dict, *, chat: bool) -> pb.SamplingParameters:
         if max_tokens is not None and max_tokens < 1:
             raise HttpError(400, f"max_tokens must be an integer >= 1, got {max_tokens}", "max_tokens")
         max_tokens = completion_tokens
+    if max_tokens == 0 and chat:
+        field = "max_tokens" if completion_tokens is None else "max_completion_tokens"
+        raise HttpError(400, f"{field} must be an integer >= 1, got 0", field)
+    if max_tokens == 0 and (not body.get("echo") or body.get("n", 1) != 1):
+        # The gRPC API's rule in this API's words: 0 scores a prompt, which here is echo.
+        raise HttpError(400, "max_tokens must be an integer >= 1, or 0 to score a prompt (with echo=true "
+                        "and n=1)", "max_tokens")
     if max_tokens is not None:
         p.max_tokens = max_tokens
     for name in ("temperature", "top_p", "repetition_penalty"):
@@ -273,7 +280,11 @@ def sampling_parameters(body: dict, *, chat: bool) -> pb.SamplingParameters:
         token = int(key)
         _check_int(token, f"logit_bias[{key}]")
         p.logit_bias[token] = _as_float(bias, "logit_bias") if isinstance(bias, int) else bias
-    p.allowed_token_ids.extend(int_list(body_field(body, "allowed_token_ids", (list,), []), "allowed_token_ids"))
+    allowed = body_field(body, "allowed_token_ids", (list,))
+    if allowed == []:       # on gRPC an empty repeated field is unset: here it would allow nothing
+        raise HttpError(400, "allowed_token_ids is empty: list at least one token id, or leave it out",
+                        "allowed_token_ids")
+    p.allowed_token_ids.extend(int_list(allowed or [], "allowed_token_ids"))
     p.bad_words.extend(string_list(body_field(body, "bad_words", (list,), []), "bad_words"))
     p.logits_processors.extend(string_list(body_field(body, "logits_processors", (list,), []),
                                            "logits_processors"))

@@ -361,6 +361,11 @@ def test_logit_bias_and_allowed_token_ids_become_the_grpc_fields():
     assert list(request.params.allowed_token_ids) == [7, 42]
 
 
+def test_an_empty_allowed_token_ids_is_400_not_every_token(served):
+    error = refusal(completion(allowed_token_ids=[]), served)
+    assert error["status"] == 400 and error["param"] == "allowed_token_ids" and "empty" in error["message"]
+
+
 @pytest.mark.parametrize("bias,param", [
     ({"x": 1}, "logit_bias"), ({"5": "high"}, "logit_bias"), ({"5": 101}, "logit_bias"),
     ({"99999999": 1}, "logit_bias"), ({"5": True}, "logit_bias"), ({"--5": 1}, "logit_bias"),
@@ -435,6 +440,13 @@ def test_an_echoed_prompt_with_max_tokens_0_is_accepted_for_scoring(served):
 def test_max_tokens_0_is_400_naming_it_unless_an_echoed_prompt_is_scored_once(served, body):
     error = refusal(body, served)
     assert error["status"] == 400 and error["param"] == "max_tokens" and "score a prompt" in error["message"]
+    assert "echo=true" in error["message"] and "prompt_logprobs" not in error["message"]
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+def test_a_chat_with_max_tokens_0_is_400_naming_the_field_sent(served, field):
+    error = refusal({"model": MODEL, "messages": MESSAGES, field: 0}, served, chat=True)
+    assert (error["status"], error["param"], error["message"]) == (400, field, f"{field} must be an integer >= 1, got 0")
 
 
 def test_prompt_logprobs_out_of_range_is_400_naming_logprobs_as_the_client_sent_it(served):
