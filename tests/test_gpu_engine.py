@@ -282,6 +282,26 @@ def test_requests_whose_constraints_allow_no_token_fail_on_the_gpu_and_free_rows
     assert engine.blocks.num_free == engine.blocks.num_blocks
 
 
+def test_allowed_token_ids_on_the_gpu_bound_each_rows_draws_and_leave_free_rows_alone(tmp_path):
+    """Each row's allowed ids are a device tensor made once (`Sequence.allowed_ids`) and joined
+    per step: rows with different sets, and rows without, share asynchronous graph steps."""
+    save_tiny_llama(tmp_path)
+    engine = engine_for(tmp_path, "bfloat16")
+    assert engine.config.async_scheduling and engine.runner.graphs is not None
+    free = SamplingParams(temperature=1.0, max_tokens=24, seed=5, ignore_eos=True)
+    sets = [[3, 9, 27], list(range(100, 400, 7)), [11]]
+    bounded = [SamplingParams(temperature=1.0, max_tokens=24, seed=6 + i, ignore_eos=True, allowed_token_ids=ids)
+               for i, ids in enumerate(sets)]
+    prompt = list(range(40, 60))
+    alone = generate(engine, [prompt], free)["r0"]
+    mixed = generate(engine, [prompt] * 4, [bounded[0], free, bounded[1], bounded[2]])
+    assert mixed["r1"] == alone
+    for rid, ids in zip(("r0", "r2", "r3"), sets):
+        [tokens] = mixed[rid]
+        assert len(tokens) == 24 and set(tokens) <= set(ids), (rid, tokens)
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
 def test_decoding_with_pdl_changes_no_token(tmp_path, monkeypatch):
     """The decode kernels launched with programmatic dependent launch (`kernels.pdl`, on by
     default on Hopper) give the tokens they give without it, in CUDA graphs and eagerly."""
