@@ -283,6 +283,21 @@ def test_hf_block_fp8_checkpoint_is_close_to_its_dequantized_model(tmp_path, blo
     assert rel_error(engine_prompt_logits(tmp_path, ids, tensor_parallel_size), expected) < 0.04
 
 
+def test_the_engine_names_a_block_fp8_checkpoint_by_its_blocks(tmp_path):
+    save_hf_block_fp8(tmp_path, (24, 48))
+    engine = LLMEngine(EngineConfig(model=str(tmp_path), device="cpu", dtype="float32", num_blocks=16))
+    assert engine.runner.quantization == "fp8 block 24x48"
+
+
+def test_block_sides_given_as_booleans_are_refused(tmp_path):
+    save_hf_block_fp8(tmp_path, (24, 48))
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"]["weight_block_size"] = [True, True]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=r"has weight_block_size \[True, True\]: two block sides are needed"):
+        load_model(resolve_source(str(tmp_path)), CPU, torch.float32)
+
+
 def test_blocks_that_straddle_two_ranks_inputs_are_refused_before_any_rank_starts(tmp_path):
     save_hf_block_fp8(tmp_path, (24, 48))
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2 gives rank 0 the input features 0..31 of o_proj, "

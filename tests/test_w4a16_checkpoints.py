@@ -35,7 +35,7 @@ import zlib
 import pytest
 import torch
 from helpers import LONG_STORY, PROMPTS, generate, greedy, perplexity, tiny_hf_model, tiny_llama
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from kernels.w4_weight import dequantize_ref
 from kernels.w4a16 import w4a16_matmul_ref
@@ -376,8 +376,15 @@ COMPRESSED = {"quant_method": "compressed-tensors", "format": "pack-quantized", 
      r"group 'group_0' quantizes activations too: only weight-only 4-bit \(W4A16\)"),
     ({**COMPRESSED, "config_groups": {"group_0": {**W4A16_GROUP, "weights": {**W4A16_WEIGHTS, "num_bits": 8}}}},
      r"supported are 4-bit integer weights per group or per channel"),
+    ({**GPTQ, "pack_dtype": "int16"}, r"has pack_dtype 'int16': only int32 words"),
+    ({**COMPRESSED, "config_groups": [W4A16_GROUP]}, r"\(compressed-tensors\) config_groups must be a JSON object, "
+                                                     r"got list"),
+    ({**COMPRESSED, "config_groups": {"group_0": {**W4A16_GROUP, "weights": 4}}},
+     r"group 'group_0' weights must be a JSON object, got int"),
+    ({**COMPRESSED, "ignore": "lm_head"}, r"ignore must be a list of module names"),
 ], ids=["gptq-8-bit", "awq-gemv", "group-48", "group-over-the-inputs", "gptq-marlin", "gptq-lm-head",
-        "compressed-w4a8", "compressed-8-bit"])
+        "compressed-w4a8", "compressed-8-bit", "gptq-int16-words", "config-groups-a-list", "weights-a-number",
+        "ignore-a-string"])
 def test_settings_it_cannot_run_are_refused_naming_the_file_and_what_is_allowed(tmp_path, config, message):
     write_config(tmp_path, config)
     with pytest.raises(ModelLoadError, match=f"^{tmp_path}/config.json: quantization_config .*{message}"):
@@ -397,6 +404,64 @@ def test_g_idx_in_activation_order_without_desc_act_is_refused(tmp_path):
     edit_quantization_config(tmp_path, desc_act=False)
     with pytest.raises(ModelLoadError, match=r"g_idx' groups the input features in activation order, but the "
                                              r"quantization_config says they are not"):
+        load_model(resolve_source(str(tmp_path)), CPU, torch.float32)
+
+
+@pytest.mark.parametrize("value", ["gptq", [GPTQ]], ids=["a-string", "a-list"])
+def test_a_quantization_config_that_is_not_an_object_is_refused_naming_the_file(tmp_path, value):
+    write_config(tmp_path, value)
+    with pytest.raises(ModelLoadError, match=f"^{tmp_path}/config.json: quantization_config must be a JSON object"):
+        config_from_hf(str(tmp_path))
+
+
+def edit_tensors(path, edit) -> None:
+    tensors = load_file(path / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_g_idx_of_another_group_size_than_the_config_is_refused_naming_both(tmp_path):
+    save_int4_checkpoint(tmp_path, "gptq", 32)
+    edit_quantization_config(tmp_path, group_size=64)
+    with pytest.raises(ModelLoadError, match=r"g_idx' groups the input features in groups of 32, but the "
+                                             r"quantization_config says group_size 64"):
+        load_model(resolve_source(str(tmp_path)), CPU, torch.float32)
+
+
+def test_a_g_idx_shorter_than_the_layers_inputs_is_refused(tmp_path):
+    save_int4_checkpoint(tmp_path, "gptq", 32)
+    edit_tensors(tmp_path, lambda t: t.update({"model.layers.0.mlp.down_proj.g_idx":
+                                                   t["model.layers.0.mlp.down_proj.g_idx"][:-1].clone()}))
+    with pytest.raises(ModelLoadError, match=r"layer 'model.layers.0.mlp.down_proj': its tensors span different "
+                                             r"input features \(g_idx 255, weight 256\)"):
+        load_model(resolve_source(str(tmp_path)), CPU, torch.float32)
+
+
+def test_packed_words_stored_as_floats_are_refused_naming_the_tensor(tmp_path):
+    save_int4_checkpoint(tmp_path, "gptq", 32)
+    edit_tensors(tmp_path, lambda t: t.update({"model.layers.0.mlp.down_proj.qweight":
+                                                   t["model.layers.0.mlp.down_proj.qweight"].float()}))
+    with pytest.raises(ModelLoadError, match=r"layer 'model.layers.0.mlp.down_proj': qweight is float32, want int32 "
+                                             r"words of eight 4-bit values"):
+        load_model(resolve_source(str(tmp_path)), CPU, torch.float32)
+
+
+def test_a_packed_weight_of_fewer_outputs_than_its_scales_is_refused_naming_both(tmp_path):
+    save_int4_checkpoint(tmp_path, "gptq", 32)
+    edit_tensors(tmp_path, lambda t: t.update({"model.layers.0.self_attn.q_proj.qweight":
+                                                   t["model.layers.0.self_attn.q_proj.qweight"][:, :-8].clone()}))
+    with pytest.raises(ModelLoadError, match=r"q_proj': scales has 128 output features, the packed weight 120"):
+        load_model(resolve_source(str(tmp_path)), CPU, torch.float32)
+
+
+def test_zero_points_under_a_symmetric_config_are_refused_as_such(tmp_path):
+    compress_w4a16(small_llama(), tmp_path, "W4A16_ASYM")
+    config = json.loads((tmp_path / "config.json").read_text())
+    for group in config["quantization_config"]["config_groups"].values():
+        group["weights"]["symmetric"] = True
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=r"weight_zero_point' holds zero points, but the quantization_config "
+                                             r"says the weights are symmetric"):
         load_model(resolve_source(str(tmp_path)), CPU, torch.float32)
 
 

@@ -619,14 +619,21 @@ class W4Checkpoint(W4Method, abc.ABC):
     def checkpoint_tensors(self, weights: Iterable[tuple[str, Tensorish]]) -> Iterator[tuple[str, Tensorish]]:
         pending: dict[str, dict[str, torch.Tensor]] = {}         # linear -> its tensors read so far
         orders: dict[str, tuple[str, torch.Tensor]] = {}         # fused projection -> (first part, its perm)
+        in_features: dict[str, dict[str, int]] = {}              # linear -> {tensor: input features it spans}
         for name, source in weights:
             linear, _, kind = name.rpartition(".")
             if not _is_decoder_linear(linear) or kind == "bias":
                 yield name, source
                 continue
             if kind == self.g_idx_part and not self.checkpoint.act_order:
-                _check_groups_in_order(name, _whole(source), self.checkpoint.group_size)
+                g_idx = _whole(source)
+                _check_groups_in_order(name, g_idx, self.checkpoint.group_size)
+                _same_in_features(linear, in_features, kind, g_idx.shape[0])
                 continue        # the plain grouping, which the canonical layout has anyway
+            if kind == self.zero_point_part and self.checkpoint.symmetric:
+                raise ValueError(f"checkpoint tensor {name!r} holds zero points, but the quantization_config says "
+                                 f"the weights are symmetric (symmetric: true); allowed: symmetric: false with "
+                                 f"zero points, or symmetric weights without them")
             if kind not in self.required:
                 raise ValueError(f"checkpoint tensor {name!r} is not one of a {self.checkpoint.quant_method} 4-bit "
                                  f"layer's ({', '.join(sorted(self.required))}): a model of 4-bit and other "
@@ -640,6 +647,7 @@ class W4Checkpoint(W4Method, abc.ABC):
                 w = self.repack(parts)
             except ValueError as e:
                 raise ValueError(f"checkpoint layer {linear!r}: {e}") from e
+            _same_in_features(linear, in_features, "weight", w.in_features)
             yield f"{linear}.qweight", w.qweight
             yield f"{linear}.scales", w.scales
             yield f"{linear}.zeros", w.zeros
@@ -755,11 +763,25 @@ W4_CHECKPOINTS: dict[str, type[W4Checkpoint]] = {
 
 def _check_groups_in_order(name: str, g_idx: torch.Tensor, group_size: int) -> None:
     """A g_idx the config says is not in activation order must be the plain grouping."""
-    k = g_idx.shape[0]
+    k, g_idx = g_idx.shape[0], g_idx.to(torch.int64)
     plain = torch.arange(k) // (k if group_size == -1 else group_size)
-    if not torch.equal(g_idx.to(torch.int64), plain):
-        raise ValueError(f"checkpoint tensor {name!r} groups the input features in activation order, but the "
+    if torch.equal(g_idx, plain):
+        return
+    groups = int(g_idx.max()) + 1 if k else 0
+    if groups and k % groups == 0 and torch.equal(g_idx, torch.arange(k) // (k // groups)):
+        raise ValueError(f"checkpoint tensor {name!r} groups the input features in groups of {k // groups}, but the "
+                         f"quantization_config says group_size {group_size}")
+    raise ValueError(f"checkpoint tensor {name!r} groups the input features in activation order, but the "
                          f"quantization_config says they are not (desc_act / actorder off)")
+
+
+def _same_in_features(linear: str, seen: dict[str, dict[str, int]], tensor: str, count: int) -> None:
+    """Refuses a layer whose g_idx and weight disagree on its input features (whichever came first)."""
+    spans = seen.setdefault(linear, {})
+    spans[tensor] = count
+    if len(set(spans.values())) > 1:
+        raise ValueError(f"checkpoint layer {linear!r}: its tensors span different input features "
+                         f"({', '.join(f'{t} {n}' for t, n in sorted(spans.items()))})")
 
 
 def allowed_quantizations(checkpoint: CheckpointQuantization | None) -> tuple[str, ...]:
@@ -780,6 +802,8 @@ def quantization_label(quantization: str, checkpoint: CheckpointQuantization | N
         return quantization if quantization in ON_LOAD or quantization == "none" else f"{quantization} w4a16"
     if checkpoint.quant_method == "gguf":
         return f"gguf {checkpoint.checkpoint_format}" if gguf_stays_quantized(quantization, device_type) else "none"
+    if checkpoint.quant_method == "fp8":       # Hugging Face's block FP8: its scheme is the block
+        return "fp8 block {}x{}".format(*checkpoint.weight_block_size)
     return f"{checkpoint.quant_method} {checkpoint.method}"
 
 
@@ -885,16 +909,17 @@ def checkpoint_quantization(config: dict, model: ModelConfig) -> CheckpointQuant
     """Checks a config.json `quantization_config` against the model it quantizes; ValueError
     names what is not supported and what is. None: the decoder linears are not quantized (a
     compressed-tensors config with a KV-cache scheme only)."""
-    method = config.get("quant_method")
+    method = _object(config, "quantization_config").get("quant_method")
     if method == "compressed-tensors":
         if config.get("kv_cache_scheme"):
-            _check_kv_cache_scheme(config["kv_cache_scheme"])
+            _check_kv_cache_scheme(_object(config["kv_cache_scheme"], "quantization_config.kv_cache_scheme"))
             if not config.get("config_groups"):
                 return None
         return _compressed_tensors(config, model)
     if method == "fp8":
         block = config.get("weight_block_size")
-        if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        if not (isinstance(block, list) and len(block) == 2
+                and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
             raise ValueError(f"quantization_config (quant_method fp8) has weight_block_size {block!r}: "
                              f"two block sides are needed, such as [128, 128]")
         if config.get("fmt", "e4m3") != "e4m3":
@@ -937,6 +962,9 @@ def _gptq(config: dict) -> CheckpointQuantization:
     if checkpoint_format not in ("gptq", "gptq_v2"):
         raise ValueError(f"{where} has checkpoint_format {checkpoint_format!r}: allowed are gptq (v1, zero points "
                          f"stored minus one) and gptq_v2")
+    if (pack_dtype := config.get("pack_dtype", "int32")) != "int32":
+        raise ValueError(f"{where} has pack_dtype {pack_dtype!r}: only int32 words (eight 4-bit values each) "
+                         f"are supported")
     if config.get("lm_head"):
         raise ValueError(f"{where} quantizes lm_head (lm_head: true): only the decoder linears can be 4-bit")
     if config.get("dynamic"):
@@ -1003,7 +1031,13 @@ def _compressed_tensors(config: dict, model: ModelConfig) -> CheckpointQuantizat
     for key, what in (("sparsity_config", "sparsity"), ("transform_config", "transforms")):
         if config.get(key):
             raise ValueError(f"{where} asks for {what} ({key}), which is not supported")
-    groups = config.get("config_groups") or {}
+    groups = _object(config.get("config_groups") or {}, f"{where} config_groups")
+    for group_name, group in groups.items():
+        _object(group, f"{where} group {group_name!r}")
+        for key in ("weights", "input_activations", "output_activations"):
+            if group.get(key) is not None:
+                _object(group[key], f"{where} group {group_name!r} {key}")
+        _strings(group.get("targets") or [], f"{where} group {group_name!r} targets")
     formats = {group.get("format") or config.get("format") for group in groups.values()} or {config.get("format")}
     if formats == {"float-quantized"}:
         quant = _compressed_tensors_fp8(where, groups)
@@ -1012,7 +1046,7 @@ def _compressed_tensors(config: dict, model: ModelConfig) -> CheckpointQuantizat
     else:
         raise ValueError(f"{where} has format {', '.join(sorted(map(repr, formats)))}: supported are float-quantized "
                          f"(FP8) and pack-quantized (4-bit integers), one of them for every decoder linear")
-    ignore = config.get("ignore") or []
+    ignore = _strings(config.get("ignore") or [], f"{where} ignore")
 
     def quantized(name: str) -> bool:
         return any(_matches(name, g.get("targets") or []) for g in groups.values()) and not _matches(name, ignore)
@@ -1071,6 +1105,19 @@ def _compressed_tensors_w4(where: str, groups: dict) -> CheckpointQuantization:
         # "group" (alias "dynamic") stores weight_g_idx; "weight" (alias "static") only
         # changes the calibration order and stores the plain grouping.
         act_order=first["actorder"] in ("group", "dynamic"), symmetric=first["symmetric"] is not False)
+
+
+def _object(value, where: str) -> dict:
+    """`value` if it is a JSON object; else a ValueError naming `where`, not an AttributeError later."""
+    if not isinstance(value, dict):
+        raise ValueError(f"{where} must be a JSON object, got {type(value).__name__} {str(value)[:60]!r}")
+    return value
+
+
+def _strings(value, where: str) -> list[str]:
+    if not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+        raise ValueError(f"{where} must be a list of module names or re: patterns, got {str(value)[:60]!r}")
+    return value
 
 
 def _matches(name: str, patterns: list[str]) -> bool:

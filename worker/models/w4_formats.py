@@ -75,6 +75,18 @@ def _unpack_columns(packed: torch.Tensor) -> torch.Tensor:
     return unpack_int4(packed.t()).t()
 
 
+def _packed(tensor: torch.Tensor, name: str) -> torch.Tensor:
+    """A tensor of packed 4-bit words: int32 (eight values a word), else a ValueError naming it."""
+    if tensor.dtype != torch.int32:
+        raise ValueError(f"{name} is {str(tensor.dtype).removeprefix('torch.')}, want int32 words of eight 4-bit values")
+    return tensor
+
+
+def _same_outputs(n: int, tensor: torch.Tensor, name: str, dim: int) -> None:
+    if tensor.shape[dim] != n:
+        raise ValueError(f"{name} has {tensor.shape[dim]} output features, the packed weight {n}")
+
+
 def _group_size(config_group_size: int | None, in_features: int, num_groups: int) -> int:
     group_size = in_features if config_group_size in (None, -1) else config_group_size
     if group_size <= 0 or in_features % group_size or in_features // group_size != num_groups:
@@ -89,6 +101,8 @@ def _sort_groups(values: torch.Tensor, g_idx: torch.Tensor | None,
     if g_idx is None:
         return values, None
     k = values.shape[0]
+    if g_idx.shape != (k,):
+        raise ValueError(f"g_idx has shape {list(g_idx.shape)}, want [{k}] (one group per input feature)")
     g_idx = g_idx.to(torch.int64)
     grouped = torch.arange(k, device=g_idx.device) // group_size
     if torch.equal(g_idx, grouped):
@@ -106,7 +120,9 @@ def from_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
     """A 4-bit GPTQ layer (v1 `"gptq"` or `"gptq_v2"`; layout in the module docstring)."""
     if checkpoint_format not in ("gptq", "gptq_v2"):
         raise ValueError(f"unknown GPTQ checkpoint_format {checkpoint_format!r}")
-    k, n = qweight.shape[0] * PACK, qweight.shape[1]
+    k, n = _packed(qweight, "qweight").shape[0] * PACK, qweight.shape[1]
+    _same_outputs(n, scales, "scales", 1)
+    _packed(qzeros, "qzeros")
     group_size = _group_size(group_size, k, scales.shape[0])
     zeros = _unpack_columns(qzeros)[:, :n]  # whole words: drop the padding past N, if any
     if checkpoint_format == "gptq":
@@ -119,7 +135,9 @@ def from_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
 def from_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, *,
              group_size: int | None) -> W4Weight:
     """A 4-bit AWQ GEMM layer (layout in the module docstring)."""
-    k = qweight.shape[0]
+    k = _packed(qweight, "qweight").shape[0]
+    _same_outputs(qweight.shape[1] * PACK, scales, "scales", 1)
+    _packed(qzeros, "qzeros")
     group_size = _group_size(group_size, k, scales.shape[0])
     # Column c of each word's eight is in nibble AWQ_ORDER.index(c).
     inverse = torch.tensor([AWQ_ORDER.index(c) for c in range(PACK)], device=qweight.device)
@@ -141,7 +159,8 @@ def from_compressed_tensors(weight_packed: torch.Tensor, weight_scale: torch.Ten
 
     `group_size` None or -1 is the `channel` strategy: one group.
     """
-    n, k = weight_packed.shape[0], weight_packed.shape[1] * PACK
+    n, k = _packed(weight_packed, "weight_packed").shape[0], weight_packed.shape[1] * PACK
+    _same_outputs(n, weight_scale, "weight_scale", 0)
     if weight_shape is not None and tuple(weight_shape.tolist()) != (n, k):
         # pack_to_int32 pads K to whole words; the kernels need K to be a multiple of 8.
         raise ValueError(f"weight_shape {weight_shape.tolist()} is not [{n}, {k}]")
