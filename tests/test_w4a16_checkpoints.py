@@ -414,12 +414,6 @@ def test_a_quantization_config_that_is_not_an_object_is_refused_naming_the_file(
         config_from_hf(str(tmp_path))
 
 
-def edit_tensors(path, edit) -> None:
-    tensors = load_file(path / "model.safetensors")
-    edit(tensors)
-    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
-
-
 def test_g_idx_of_another_group_size_than_the_config_is_refused_naming_both(tmp_path):
     save_int4_checkpoint(tmp_path, "gptq", 32)
     edit_quantization_config(tmp_path, group_size=64)
@@ -428,29 +422,21 @@ def test_g_idx_of_another_group_size_than_the_config_is_refused_naming_both(tmp_
         load_model(resolve_source(str(tmp_path)), CPU, torch.float32)
 
 
-def test_a_g_idx_shorter_than_the_layers_inputs_is_refused(tmp_path):
+@pytest.mark.parametrize(("tensor", "edit", "message"), [
+    ("mlp.down_proj.g_idx", lambda t: t[:-1], r"layer 'model.layers.0.mlp.down_proj': its tensors span different "
+                                              r"input features \(g_idx 255, weight 256\)"),
+    ("mlp.down_proj.qweight", torch.Tensor.float, r"layer 'model.layers.0.mlp.down_proj': qweight is float32, "
+                                                  r"want int32 words of eight 4-bit values"),
+    ("self_attn.q_proj.qweight", lambda t: t[:, :-8], r"layer 'model.layers.0.self_attn.q_proj': scales has 128 "
+                                                      r"output features, the packed weight 120"),
+], ids=["g_idx-one-short", "words-as-floats", "qweight-narrower-than-scales"])
+def test_a_gptq_tensor_of_the_wrong_shape_or_type_is_refused_naming_it(tmp_path, tensor, edit, message):
     save_int4_checkpoint(tmp_path, "gptq", 32)
-    edit_tensors(tmp_path, lambda t: t.update({"model.layers.0.mlp.down_proj.g_idx":
-                                                   t["model.layers.0.mlp.down_proj.g_idx"][:-1].clone()}))
-    with pytest.raises(ModelLoadError, match=r"layer 'model.layers.0.mlp.down_proj': its tensors span different "
-                                             r"input features \(g_idx 255, weight 256\)"):
-        load_model(resolve_source(str(tmp_path)), CPU, torch.float32)
-
-
-def test_packed_words_stored_as_floats_are_refused_naming_the_tensor(tmp_path):
-    save_int4_checkpoint(tmp_path, "gptq", 32)
-    edit_tensors(tmp_path, lambda t: t.update({"model.layers.0.mlp.down_proj.qweight":
-                                                   t["model.layers.0.mlp.down_proj.qweight"].float()}))
-    with pytest.raises(ModelLoadError, match=r"layer 'model.layers.0.mlp.down_proj': qweight is float32, want int32 "
-                                             r"words of eight 4-bit values"):
-        load_model(resolve_source(str(tmp_path)), CPU, torch.float32)
-
-
-def test_a_packed_weight_of_fewer_outputs_than_its_scales_is_refused_naming_both(tmp_path):
-    save_int4_checkpoint(tmp_path, "gptq", 32)
-    edit_tensors(tmp_path, lambda t: t.update({"model.layers.0.self_attn.q_proj.qweight":
-                                                   t["model.layers.0.self_attn.q_proj.qweight"][:, :-8].clone()}))
-    with pytest.raises(ModelLoadError, match=r"q_proj': scales has 128 output features, the packed weight 120"):
+    tensors = load_file(tmp_path / "model.safetensors")
+    name = f"model.layers.0.{tensor}"
+    tensors[name] = edit(tensors[name]).contiguous()
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=message):
         load_model(resolve_source(str(tmp_path)), CPU, torch.float32)
 
 
