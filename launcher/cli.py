@@ -81,11 +81,12 @@ def _serve_parser() -> argparse.ArgumentParser:
     network.add_argument("--allowed-origins", nargs="+", metavar="ORIGIN", default=[],
                          help="CORS: browser origins allowed to call the HTTP API ('*': any)")
     network.add_argument("--workers", nargs="+", metavar="TARGET",
-                         help="--role router: the workers, each host:port or dns:host:port "
-                              "(every address the name resolves to, re-resolved every "
-                              "--discovery-interval seconds)")
+                         help="--role router: the workers, each host:port, dns:host:port "
+                              "(every address the name resolves to) or k8s:SERVICE[.NAMESPACE]:PORT "
+                              "(the ready endpoints of a Kubernetes Service); dns: and k8s: targets "
+                              "are listed again every --discovery-interval seconds")
     network.add_argument("--discovery-interval", type=float, default=5.0,
-                         help="--role router: seconds between resolutions of dns: worker targets "
+                         help="--role router: seconds between listings of dns: and k8s: worker targets "
                               "(a new worker is used, a vanished one dropped, this soon)")
     network.add_argument("--served-model-name", nargs="+", metavar="NAME",
                          help="names clients may use for the model (default: the model's own); "

@@ -56,3 +56,14 @@ def test_a_step_budget_below_one_is_refused_naming_the_setting(budget):
 def test_a_size_out_of_range_is_refused_naming_the_setting(setting, value, message):
     with pytest.raises(ValueError, match=f"^{message}"):
         EngineConfig(model="default", **{setting: value}).validate()
+
+
+@pytest.mark.parametrize("device", ["tpu", "cuda:x", "CPU", ""])
+def test_a_device_other_than_auto_cpu_or_cuda_is_refused_naming_what_is_allowed(device):
+    with pytest.raises(ValueError, match=f"^device={device!r} is not supported: use auto, cpu, cuda or cuda:<index>$"):
+        EngineConfig(model="default", device=device).validate()
+
+
+@pytest.mark.parametrize("device", ["auto", "cpu", "cuda", "cuda:1"])
+def test_the_devices_a_worker_runs_on_pass_validation(device):
+    assert EngineConfig(model="default", device=device).validate().device == device

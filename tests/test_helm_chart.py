@@ -196,9 +196,18 @@ def test_schema_rejects_wrong_types_and_unknown_keys_naming_them(chart):
      "serviceMonitor or podMonitor, not both"),
     ({"tls": {"enabled": True}}, "tls.enabled needs tls.secretName"),
     ({"router": {"gateway": {"enabled": True}}}, "router.gateway.enabled needs router.gateway.parentRefs"),
+    ({"model": {"path": "/models-old/x", "volume": {"type": "hostPath", "hostPath": "/srv"}}},
+     'model.path "/models-old/x" is outside model.mountPath'),
+    ({"lora": {"modules": {"sql": "/adapters/sql"}}}, "lora.modules needs lora.enabled: true"),
+    ({"worker": {"metricsPort": 50061}}, "worker.port, worker.metricsPort must differ"),
+    ({"router": {"metricsPort": 8000}}, "router.grpcPort, router.httpPort and router.metricsPort must differ"),
+    ({"worker": {"autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}}},
+     "worker.autoscaling.minReplicas (5) is above maxReplicas (2)"),
+    ({"router": {"autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}}},
+     "router.autoscaling.minReplicas (5) is above maxReplicas (2)"),
 ])
 def test_inconsistent_values_fail_saying_what_to_change(chart, values, message):
-    with pytest.raises(helm.HelmRenderError, match=message.replace(".", r"\.")):
+    with pytest.raises(helm.HelmRenderError, match=re.escape(message)):
         render(chart, values)
 
 
@@ -238,6 +247,28 @@ def test_chart_engine_defaults_are_the_engines(defaults):
     assert values["model"]["loadFormat"] == engine_defaults.load_format
     # And the worker the chart runs makes exactly that config.
     assert _engine_config(objects) == engine_defaults
+
+
+def test_integers_of_a_million_and_more_reach_the_flags_as_integers(chart):
+    """Helm holds the numbers of a values file as floats and prints 1e6 and above as 1e+06,
+    which an integer flag refuses (the pod would crash-loop)."""
+    objects = render(chart, {"worker": {"engine": {"maxModelLen": 1048576, "maxNumBatchedTokens": 1000000}},
+                             "router": {"maxConcurrentRequests": 1000000, "maxQueueLen": 2000000}})
+    worker, router = flags(container(objects, "worker")["args"]), flags(container(objects, "router")["args"])
+    assert (worker["max-model-len"], worker["max-num-batched-tokens"]) == ("1048576", "1000000")
+    assert (router["max-concurrent-requests"], router["max-queue-len"]) == ("1000000", "2000000")
+
+
+@pytest.mark.parametrize("release", ["production-llama-3-1-8b-instruct-east", "a" * 52, "b" * 63])
+def test_long_release_names_give_names_kubernetes_accepts_and_no_two_services_alike(chart, release):
+    objects = [o for o in (yaml.safe_load(t) for path, t in chart.render(name=release, namespace=NAMESPACE).items()
+                           if path.endswith(".yaml")) if o]
+    names = {(o["kind"], o["metadata"]["name"]) for o in objects}
+    # A StatefulSet's pods carry its name plus an 11-character hash in a label (63 at most).
+    assert all(len(name) <= 52 for kind, name in names if kind == "StatefulSet"), names
+    assert all(len(name) <= 63 for kind, name in names if kind in ("Service", "Deployment")), names
+    services = [name for kind, name in names if kind == "Service"]
+    assert len(services) == len(set(services)) == 2
 
 
 @pytest.mark.parametrize("key", ENGINE_VALUES)
@@ -441,24 +472,70 @@ def test_lora_is_off_by_default(defaults):
     assert not _engine_config(defaults).enable_lora
 
 
-def test_init_container_copies_the_model_once(chart, tmp_path):
-    """The init container's default script, run here with sh: it copies the image's files into
-    the volume, and the next start finds them there and leaves them."""
-    objects = render(chart, {"model": {"path": "/models/m", "volume": {"type": "emptyDir"},
+def init_script(chart, model_path: str) -> list[str]:
+    objects = render(chart, {"model": {"path": model_path, "volume": {"type": "emptyDir"},
                                        "initContainer": {"enabled": True, "image": {"repository": "m"}}}})
     [init] = workload(objects, "worker")["spec"]["template"]["spec"]["initContainers"]
-    source, mount = tmp_path / "image", tmp_path / "volume"
-    (source / "m").mkdir(parents=True)
-    (source / "m" / "config.json").write_text("{}")
+    return init["command"]
+
+
+def run_init(command: list[str], source, mount, model_path, pod: str = "worker-0") -> subprocess.CompletedProcess:
+    env = {"PATH": "/usr/bin:/bin", "MODEL_PATH": str(model_path), "MOUNT_PATH": str(mount),
+           "SOURCE_PATH": str(source), "HOSTNAME": pod}
+    return subprocess.run(command, env=env, capture_output=True, text=True)
+
+
+def model_image(tmp_path):
+    """An image's model folder (sourcePath) holding the files themselves, and an empty volume."""
+    source, mount = tmp_path / "image" / "model", tmp_path / "volume"
+    source.mkdir(parents=True)
+    (source / "config.json").write_text("{}")
+    (source / "model.safetensors").write_text("weights")
     mount.mkdir()
-    env = {"PATH": "/usr/bin:/bin", "MODEL_PATH": str(mount / "m"), "MOUNT_PATH": str(mount),
-           "SOURCE_PATH": str(source)}
-    first = subprocess.run(init["command"], env=env, capture_output=True, text=True)
+    return source, mount
+
+
+def test_init_container_copies_the_model_folder_to_model_path_once(chart, tmp_path):
+    """The init container's default script, run here with sh: sourcePath's files become
+    model.path's, and the next start finds them there and leaves them."""
+    source, mount = model_image(tmp_path)
+    command = init_script(chart, "/models/m")
+    first = run_init(command, source, mount, mount / "m")
     assert first.returncode == 0, first.stderr
-    assert (mount / "m" / "config.json").read_text() == "{}"
+    assert sorted(p.name for p in (mount / "m").iterdir()) == ["config.json", "model.safetensors"]
     assert sorted(p.name for p in mount.iterdir()) == ["m"]
-    second = subprocess.run(init["command"], env=env, capture_output=True, text=True)
+    second = run_init(command, source, mount, mount / "m")
     assert second.returncode == 0 and "model present" in second.stdout
+
+
+def test_init_container_fills_the_volume_root_when_the_model_is_there(chart, tmp_path):
+    source, mount = model_image(tmp_path)
+    done = run_init(init_script(chart, "/models"), source, mount, mount)
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in mount.iterdir()) == ["config.json", "model.safetensors"]
+
+
+def test_init_container_copies_a_gguf_file_to_model_path(chart, tmp_path):
+    mount = tmp_path / "volume"
+    mount.mkdir()
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    done = run_init(init_script(chart, "/models/m/model.gguf"), tmp_path / "model.gguf", mount,
+                    mount / "m" / "model.gguf")
+    assert done.returncode == 0, done.stderr
+    assert (mount / "m" / "model.gguf").read_bytes() == b"GGUF"
+
+
+def test_init_containers_of_workers_sharing_a_volume_copy_once_and_both_succeed(chart, tmp_path):
+    source, mount = model_image(tmp_path)
+    for i in range(40):      # large enough that the copies overlap
+        (source / f"shard-{i}.safetensors").write_bytes(bytes(200_000))
+    env = {"PATH": "/usr/bin:/bin", "MODEL_PATH": str(mount / "m"), "MOUNT_PATH": str(mount), "SOURCE_PATH": str(source)}
+    runs = [subprocess.Popen(init_script(chart, "/models/m"), env=env | {"HOSTNAME": f"worker-{i}"},
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(3)]
+    results = [(run.wait(), *run.communicate()) for run in runs]
+    assert all(code == 0 for code, _, _ in results), results
+    assert sorted(p.name for p in (mount / "m").iterdir()) == sorted(p.name for p in source.iterdir())
+    assert sorted(p.name for p in mount.iterdir()) == ["m"]
 
 
 # ------------------------------------------------------------------------- routers

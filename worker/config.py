@@ -1,6 +1,7 @@
 """Configuration records of the worker: the model's shape and the engine's limits."""
 
 import math
+import re
 from dataclasses import dataclass, field, replace
 
 # --quantization values: how the decoder's linear layers compute (vLLM's names). "none" keeps the
@@ -118,6 +119,8 @@ class EngineConfig:
     lora_modules: dict[str, str] = field(default_factory=dict)   # name -> PEFT directory, loaded at start
 
     def validate(self) -> "EngineConfig":
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"device={self.device!r} is not supported: use auto, cpu, cuda or cuda:<index>")
         if self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization={self.quantization!r} is not supported: use one of "
                              f"{', '.join(QUANTIZATION_METHODS)}")

@@ -66,7 +66,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
       help="auto: K/V in the model's dtype; fp8 (or fp8_e4m3): float8 e4m3, twice the tokens in "
            "the same memory, with the checkpoint's k_scale/v_scale (per layer or per KV head) or "
            "1.0 where it has none; needs compute capability 8.9+ on a GPU")
-    a("--device", default=d.device, help="auto, cpu or cuda")
+    a("--device", default=d.device, help="auto (a GPU when there is one), cpu, cuda or cuda:<index>")
     a("--block-size", type=int, default=d.block_size, help="tokens per KV block")
     a("--max-num-seqs", type=int, default=d.max_num_seqs, help="sequences per step")
     a("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,

@@ -1,13 +1,17 @@
-{{/* Names: <release>-pagedserve unless overridden, cut to the 63 characters of a DNS label. */}}
+{{/* Names: <release>-pagedserve unless overridden. The chart name is cut to the 63 characters
+     of a label; the full name to 45, so that every object named after it fits Kubernetes'
+     limits: <fullname>-workers (a Service, 63 at most), and above all <fullname>-worker, a
+     StatefulSet, whose name its pods carry in a controller-revision-hash label with 11 more
+     characters (so 52 at most, or no pod is ever made). */}}
 {{- define "pagedserve.name" -}}
 {{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
 {{- define "pagedserve.fullname" -}}
 {{- if .Values.fullnameOverride -}}
-{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- .Values.fullnameOverride | trunc 45 | trimSuffix "-" -}}
 {{- else -}}
-{{- printf "%s-%s" .Release.Name (include "pagedserve.name" .) | trunc 63 | trimSuffix "-" -}}
+{{- printf "%s-%s" .Release.Name (include "pagedserve.name" .) | trunc 45 | trimSuffix "-" -}}
 {{- end -}}
 {{- end -}}
 
