@@ -511,7 +511,8 @@ class StormResult:
 
 def preemption_storm(make: Make, *, mode: str, num_swap_blocks: int | str = "ample",
                      num_requests: int = 24, max_prompt_len: int = 96, max_tokens: int = 48,
-                     shared_prefix_len: int = 32, seed: int = 0, steps_factor: int = 20) -> StormResult:
+                     shared_prefix_len: int = 32, seed: int = 0, steps_factor: int = 20,
+                     same_tokens: bool = True) -> StormResult:
     """Many concurrent requests in a pool just one block larger than the longest request, so
     running requests preempt each other again and again (preemption_mode `mode`; for swap a
     swap pool of `num_swap_blocks`, an int, "small" (half the longest request's blocks: the
@@ -520,7 +521,9 @@ def preemption_storm(make: Make, *, mode: str, num_swap_blocks: int | str = "amp
     Block ownership is checked after every step. Proves the storm finishes within
     `steps_factor` x the steps of a roomy run (no livelock or stall), generates exactly the
     roomy run's tokens (greedy, fp32: swap-out, swap-in, recomputation and cache hits restore
-    the same K/V), and leaves both pools clean."""
+    the same K/V), and leaves both pools clean. `same_tokens` False drops the token check, for
+    pools whose K/V are rounded (a float8 pool: a last-bit difference of a batch-dependent GEMM
+    can round a value the other way, so greedy tokens may part)."""
     rng = random.Random(seed)
     # One prompt of the maximum length, the others mostly short: many are admitted at once,
     # then their generations outgrow the pool.
@@ -553,7 +556,7 @@ def preemption_storm(make: Make, *, mode: str, num_swap_blocks: int | str = "amp
     drv.run()
     preemptions = dict(engine.scheduler.num_preemptions)
     release(engine)
-    assert drv.tokens == ref.tokens, (
+    assert not same_tokens or drv.tokens == ref.tokens, (
         f"{what}: tokens differ from the roomy run's for "
         f"{sorted(k[0] for k in ref.tokens if drv.tokens[k] != ref.tokens[k])}")
     # The storm must have happened, in the modes asked for.

@@ -93,3 +93,12 @@ def test_preemption_storm_recompute(make):
     taking back its own blocks from the prefix cache when they survive. Kept apart from the
     swap storms so that a failure here names recompute preemption."""
     stress.preemption_storm(make, mode="recompute")
+
+
+@pytest.mark.parametrize("mode,num_swap_blocks", [("swap", "small"), ("recompute", "ample")],
+                         ids=["swap", "recompute"])
+def test_preemption_storm_over_a_float8_kv_pool(make, mode, num_swap_blocks):
+    """Swap-out and swap-in copy float8 blocks (and their scales stay per layer); recompute
+    writes them again: the storm ends, every block accounted for after each step."""
+    fp8 = functools.partial(make, kv_cache_dtype="fp8")
+    stress.preemption_storm(fp8, mode=mode, num_swap_blocks=num_swap_blocks, same_tokens=False)

@@ -65,8 +65,17 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(params=CONFIGS, ids=config_id)
 def make(request, tiny):
+    return engine_maker(tiny, *request.param)
+
+
+@pytest.fixture
+def make_default(tiny):
+    """Engines in the configuration a GPU worker runs, for scenarios too slow for all four."""
+    return engine_maker(tiny, *DEFAULT)
+
+
+def engine_maker(tiny, async_scheduling: bool, enforce_eager: bool):
     path, source, loaded = tiny["path"], tiny["source"], tiny["loaded"]
-    async_scheduling, enforce_eager = request.param
 
     def make(**settings):
         settings = {"device": "cuda", "dtype": "float32", "num_blocks": 8192, "max_num_seqs": 256,
@@ -118,6 +127,15 @@ def test_preemption_storm_swap(make, num_swap_blocks):
 def test_preemption_storm_recompute(make):
     """THE RECOMPUTE STORM (see tests/test_engine_stress.py)."""
     stress.preemption_storm(make, mode="recompute", **STORM)
+
+
+@pytest.mark.parametrize("mode,num_swap_blocks", [("swap", "small"), ("recompute", "ample")],
+                         ids=["swap", "recompute"])
+def test_preemption_storm_over_a_float8_kv_pool(make_default, mode, num_swap_blocks):
+    """The float8 pool's swaps and rewrites under the Triton KV write and attention, with
+    asynchronous scheduling and CUDA graphs."""
+    fp8 = functools.partial(make_default, kv_cache_dtype="fp8")
+    stress.preemption_storm(fp8, mode=mode, num_swap_blocks=num_swap_blocks, same_tokens=False, **STORM)
 
 
 # ---------------------------------------------------------------- Llama-3.1-8B, dummy bf16
