@@ -2,12 +2,15 @@
 
     compute-sanitizer --tool memcheck --error-exitcode 9 python3 bench/memcheck_scenario.py
     python3 bench/memcheck_scenario.py cpu      # the same scenario on the CPU, as a check of it
+    ... memcheck_scenario.py cuda fp8           # the mixed batch alone, FP8 weights over a float8 KV pool
 
 A small random Llama (bf16, CUDA graphs and asynchronous scheduling on, a 256-token step
 budget so long prompts run as many chunk steps that draw nothing): lone prompts from 1k to 8k
 tokens on a fresh engine, then a mixed batch with aborts mid-prefill and mid-decode, n > 1,
-prefix-cache hits and swap preemption in a small pool. Exits non-zero if any request goes
-wrong; memcheck's own exit code reports memory errors.
+prefix-cache hits and swap preemption in a small pool. `fp8`: only the mixed batch, with
+weights quantized to FP8 on load (the weight-only GEMVs and the W8A8 GEMMs) over a float8 KV
+pool (its scaled KV write and attention). Exits non-zero if any request goes wrong; memcheck's
+own exit code reports memory errors.
 """
 
 import sys
@@ -24,6 +27,7 @@ from worker.engine import LLMEngine  # noqa: E402
 
 
 DEVICE = sys.argv[1] if len(sys.argv) > 1 else "cuda"
+FP8 = len(sys.argv) > 2 and sys.argv[2] == "fp8"
 
 
 def tiny_llama(path: str) -> None:
@@ -57,7 +61,7 @@ def main() -> None:
     ids = lambda n: torch.randint(0, 512, (n,), generator=gen).tolist()  # noqa: E731
     greedy = lambda n, **kw: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **kw)  # noqa: E731
 
-    for length in (1024, 2048, 4096, 8184):
+    for length in () if FP8 else (1024, 2048, 4096, 8184):
         engine = LLMEngine(EngineConfig(model=path, device=DEVICE, dtype="bfloat16", num_blocks=600,
                                         max_num_batched_tokens=256, max_num_seqs=64))
         engine.add_request("lone", ids(length), greedy(8))
@@ -65,8 +69,9 @@ def main() -> None:
         print(f"lone prompt of {length} tokens: ok", flush=True)
         del engine
 
+    fp8 = {"quantization": "fp8", "kv_cache_dtype": "fp8"} if FP8 else {}
     engine = LLMEngine(EngineConfig(model=path, device=DEVICE, dtype="bfloat16", num_blocks=100,
-                                    num_swap_blocks=256, max_num_batched_tokens=256, max_num_seqs=64))
+                                    num_swap_blocks=256, max_num_batched_tokens=256, max_num_seqs=64, **fp8))
     shared = ids(200)
     for i in range(24):
         engine.add_request(f"r{i}", shared + ids(20 + 10 * i), greedy(40))
@@ -76,7 +81,8 @@ def main() -> None:
     assert all(counts.get(f"r{i}/0") == 40 for i in range(24) if i not in (5, 9)), counts
     assert engine.stats().preemptions["swap"] + engine.stats().preemptions["recompute"] > 0, engine.stats()
     assert engine.blocks.prefix_hits > 0
-    print(f"mixed batch with aborts, n=3, prefix hits and preemption: ok ({engine.stats().preemptions})")
+    print(f"mixed batch with aborts, n=3, prefix hits and preemption{' (FP8 weights, float8 KV)' if FP8 else ''}: "
+          f"ok ({engine.stats().preemptions})")
 
 
 if __name__ == "__main__":
