@@ -772,7 +772,7 @@ def _check_groups_in_order(name: str, g_idx: torch.Tensor, group_size: int) -> N
         raise ValueError(f"checkpoint tensor {name!r} groups the input features in groups of {k // groups}, but the "
                          f"quantization_config says group_size {group_size}")
     raise ValueError(f"checkpoint tensor {name!r} groups the input features in activation order, but the "
-                         f"quantization_config says they are not (desc_act / actorder off)")
+                     f"quantization_config says they are not (desc_act / actorder off)")
 
 
 def _same_in_features(linear: str, seen: dict[str, dict[str, int]], tensor: str, count: int) -> None:
