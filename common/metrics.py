@@ -321,7 +321,7 @@ class RouterMetrics:
         self._swap_ins = {reason: swap_ins.labels(model_name, reason) for reason in ROUTER_SWAP_REASONS}
         self._redispatches = counter("redispatches", "Requests resubmitted after their worker was lost "
                                      "or drained.")
-        self._workers_lost = counter("workers_lost", "Worker sessions that ended while in use.")
+        self._workers_lost = counter("workers_lost", "Worker sessions that ended after the worker joined.")
 
     def rejected(self, reason: str, count: int = 1) -> None:
         """`count` requests were refused; `reason` is one of ROUTER_REJECT_REASONS."""

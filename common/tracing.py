@@ -80,11 +80,13 @@ def _exporter_names() -> list[str]:
 
 def _exporter(name: str) -> SpanExporter:
     if name == "otlp":
-        protocol = (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
-                    or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc")
+        # The traces-only variable wins, as in the OpenTelemetry SDK; the error names the one set.
+        variable = next((v for v in ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
+                         if os.environ.get(v)), None)
+        protocol = os.environ[variable] if variable else "grpc"
         if protocol != "grpc":
-            raise ValueError(f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r} is not supported: pagedserve "
-                             "exports OTLP over grpc (unset it or set grpc)")
+            raise ValueError(f"{variable}={protocol!r} is not supported: pagedserve exports OTLP over grpc "
+                             "(unset it or set grpc)")
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
         return OTLPSpanExporter()
     if name == "console":

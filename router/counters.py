@@ -49,7 +49,7 @@ class RouterCounters:
     swap_ins_priority: int = 0      # of those, choices that run again
     swap_outs_slow_reader: int = 0  # choices swapped out while their client did not read
     swap_ins_slow_reader: int = 0   # of those, choices that run again
-    workers_lost: int = 0           # worker sessions that ended while the worker was in use
+    workers_lost: int = 0           # worker sessions that ended after the worker joined
     # The Prometheus series, once the model's name is known; None before.
     metrics: RouterMetrics | None = field(default=None, repr=False, compare=False)
 

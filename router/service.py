@@ -163,7 +163,12 @@ class GenerationService:
             if isinstance(error, asyncio.CancelledError) and (shutdown := self.shutting_down()):
                 observed.end("abort", f"{shutdown.code.name}: {shutdown.message}")
                 raise shutdown from None
-            observed.end("cancelled" if isinstance(error, asyncio.CancelledError) else "error")
+            cancelled = isinstance(error, asyncio.CancelledError)
+            observed.end("cancelled" if cancelled else "error")
+            if cancelled:
+                log.info("request ended", extra={
+                    "request_id": observed.request_id, "outcome": "cancelled before admission (the client went away "
+                    "or its deadline passed)", "duration_s": round(time.monotonic() - observed.started, 3)})
             raise
         queue_s = time.monotonic() - queued
         self._counters.count(
@@ -317,6 +322,8 @@ class _Observed:
         span = tracing.start_span(name, parent=trace.set_span_in_context(self.span))
         try:
             yield span
+        except (asyncio.CancelledError, GeneratorExit):
+            raise       # the client went away: the request's span says so, not as an error
         except BaseException as error:
             span.set_status(Status(StatusCode.ERROR, str(error) or type(error).__name__))
             raise

@@ -66,12 +66,12 @@ class RouterProcess:
     """`pagedserve serve --role router` in front of `worker_address`, tracing to `receiver`;
     entered once it serves (gRPC health SERVING: it listens and the worker joined)."""
 
-    def __init__(self, worker_address: str, receiver: OtlpReceiver):
+    def __init__(self, worker_address: str, receiver: OtlpReceiver, args: tuple[str, ...] = ()):
         port, self.http_port = free_port(), free_port()
         self.address = f"127.0.0.1:{port}"
         self._command = [sys.executable, "-m", "launcher.cli", "serve", "--role", "router",
                          "--host", "127.0.0.1", "--port", str(port), "--http-port", str(self.http_port),
-                         "--metrics-port", "0", "--workers", worker_address]
+                         "--metrics-port", "0", "--workers", worker_address, *args]
         env = {**os.environ, **otel_env(receiver)}
         self._env = {name: value for name, value in env.items() if value is not None}
         self._log = tempfile.TemporaryFile(mode="w+")
@@ -94,6 +94,10 @@ class RouterProcess:
             self.process.kill()
             self.process.wait()
         self._log.close()
+
+    def log_text(self) -> str:
+        self._log.seek(0)
+        return self._log.read()
 
     def _wait_serving(self) -> None:
         """Follows the router's health with Watch (no polling) until SERVING."""
@@ -167,6 +171,30 @@ def test_a_request_is_one_trace_across_client_router_and_worker(traced_router, r
     assert a["gen_ai.response.finish_reasons"] == ("length",)
     assert 0 < a["gen_ai.response.time_to_first_chunk"] < duration_s
     assert (a["rpc.system"], a["rpc.service"], a["rpc.method"]) == ("grpc", "pagedserve.v1.Generation", "Generate")
+
+
+def test_a_request_whose_client_leaves_while_it_is_queued_is_logged_and_its_admission_span_not_failed(
+        worker, receiver):
+    with RouterProcess(worker.address, receiver, ("--max-concurrent-requests", "1")) as router, \
+            grpc.insecure_channel(router.address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        running = stub.Generate(pb.GenerateRequest(
+            request_id="long-1", token_ids=pb.TokenIds(ids=[5, 6, 7]),
+            params=pb.SamplingParameters(max_tokens=2000, ignore_eos=True)), timeout=TIMEOUT_S)
+        next(running)       # admitted and streaming: the next request waits in the queue
+        client_trace, _, traceparent = client_context()
+        with pytest.raises(grpc.RpcError) as error:
+            list(stub.Generate(pb.GenerateRequest(request_id="queued-1", token_ids=pb.TokenIds(ids=[1, 2]),
+                                                  params=pb.SamplingParameters(max_tokens=2)),
+                               metadata=[("traceparent", traceparent)], timeout=1.0))
+        assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        running.cancel()
+        served = span_of(receiver, client_trace, "pagedserve-router", "text_completion")
+        admission = span_of(receiver, client_trace, "pagedserve-router", "admission")
+        assert served.attributes["gen_ai.response.finish_reasons"] == ("cancelled",)
+        assert admission.span.status.code != admission.span.status.STATUS_CODE_ERROR
+        lines = [line for line in router.log_text().splitlines() if "queued-1" in line]
+        assert any("cancelled before admission" in line for line in lines), lines
 
 
 def test_a_refused_requests_span_names_the_request_the_provider_and_the_error(traced_router, receiver):

@@ -123,3 +123,12 @@ def test_tracing_is_off_unless_configured(monkeypatch):
     assert tracing.start_span("x") is None
     assert tracing.inject() == {}
     assert tracing.extract({"traceparent": _traceparent()[0]}) is None
+
+
+@pytest.mark.parametrize("variable", ["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"])
+def test_an_otlp_protocol_other_than_grpc_is_refused_naming_the_variable_set(monkeypatch, variable):
+    for name in ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(variable, "http/protobuf")
+    with pytest.raises(ValueError, match=f"^{variable}='http/protobuf' is not supported"):
+        tracing._exporter("otlp")
