@@ -292,7 +292,8 @@ class OpenAIApi:
             if stream_options and not stream:
                 # As OpenAI and vLLM answer: the options of a stream the request did not ask for.
                 raise HttpError(400, "stream_options is only allowed with stream=true", "stream_options")
-            include_usage = body_field(stream_options, "include_usage", (bool,), False)
+            include_usage = body_field({"stream_options.include_usage": stream_options.get("include_usage")},
+                                       "stream_options.include_usage", (bool,), False)
         except HttpError as error:      # refused before the service saw it: count it there
             self.service.reject("invalid", request[REQUEST_ID], error.message)
             raise

@@ -37,6 +37,7 @@ HTTP_STATUS = {
 ERROR_TYPE = {401: "authentication_error", 429: "rate_limit_error"}
 ERROR_CODE = {401: "invalid_api_key"}
 INT32 = (-2**31, 2**31 - 1)
+FLOAT32_MAX = 3.4028234663852886e38      # the largest finite float32: the gRPC API's number fields
 FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort"}
 
 # gRPC field paths (ApiError.field) as an HTTP client names them, by leading piece: the
@@ -126,8 +127,12 @@ def body_field(body: dict, name: str, kinds: tuple[type, ...], default: Any = No
         raise HttpError(400, f"{name} must be {allowed}, got {json.dumps(value)[:80]}", name)
     if isinstance(value, int) and not isinstance(value, bool):
         if float in kinds:  # a number field: its range is the gRPC API's, checked later
-            return _as_float(value, name)
-        _check_int(value, name, limits)
+            value = _as_float(value, name)
+        else:
+            _check_int(value, name, limits)
+    if isinstance(value, float) and abs(value) > FLOAT32_MAX:
+        # The gRPC field is a float32, where it would become inf and be refused as "inf".
+        raise HttpError(400, f"{name}={value:g} is out of range: the field holds a 32-bit float", name)
     return value
 
 
@@ -398,6 +403,14 @@ def _refuse_unsupported(body: dict, *, chat: bool) -> None:
         if body_field(body, "suffix", (str,)):
             raise HttpError(400, "suffix is not supported", "suffix")
         return
+    # vLLM's chat extensions that would change what the model is shown.
+    if body_field(body, "chat_template", (str,)):
+        raise HttpError(400, "chat_template is not supported: every chat is rendered with the served model's "
+                        "own template", "chat_template")
+    if body_field(body, "continue_final_message", (bool,), False):
+        raise HttpError(400, "continue_final_message is not supported: the last message is rendered as a "
+                        "finished turn (leave it out, or end the prompt with /v1/completions)",
+                        "continue_final_message")
 
 
 def tokenize_request(body: dict) -> pb.TokenizeRequest:

@@ -149,6 +149,13 @@ def test_with_include_usage_every_chunk_has_usage_null_but_the_last(router, mode
         assert not any("usage" in c for c in chunks)
 
 
+def test_a_bad_include_usage_is_400_naming_it_inside_stream_options(router, model):
+    response = post(router, "/v1/completions", {"model": model, "prompt": "Hi", "max_tokens": 2, "stream": True,
+                                                "stream_options": {"include_usage": "yes"}})
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "stream_options.include_usage"
+
+
 def test_streamed_completion_equals_unstreamed_and_ends_with_usage(client, model):
     whole = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0)
     chunks = list(client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0,

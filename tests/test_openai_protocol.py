@@ -172,6 +172,8 @@ def test_malformed_chat_message_is_400_naming_it(served, message, param):
 @pytest.mark.parametrize("extra,param", [
     ({"functions": [{"name": "f"}]}, "functions"),
     ({"tool_choice": "required"}, "tool_choice"),
+    ({"chat_template": "{{ messages }}"}, "chat_template"),
+    ({"continue_final_message": True, "add_generation_prompt": False}, "continue_final_message"),
 ])
 def test_unsupported_openai_feature_is_refused_not_ignored(served, extra, param):
     error = refusal({"model": MODEL, "messages": MESSAGES, "max_tokens": 2} | extra, served, chat=True)
@@ -359,6 +361,13 @@ def test_logit_bias_and_allowed_token_ids_become_the_grpc_fields():
                                   chat=False, request_id="r")
     assert dict(request.params.logit_bias) == {42: -100.0, 7: 2.5}
     assert list(request.params.allowed_token_ids) == [7, 42]
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "presence_penalty"])
+def test_a_number_past_float32_is_400_naming_it_as_sent_not_as_inf(served, field):
+    error = refusal(completion(**{field: 1e308}), served)
+    assert (error["status"], error["param"]) == (400, field)
+    assert error["message"] == f"{field}=1e+308 is out of range: the field holds a 32-bit float"
 
 
 def test_an_empty_allowed_token_ids_is_400_not_every_token(served):
