@@ -43,7 +43,8 @@ FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.F
 # gRPC field paths (ApiError.field) as an HTTP client names them, by leading piece: the
 # longest piece that leads a path wins ("chat.messages[0].role" -> "messages[0].role").
 HTTP_NAMES = {"params.": "", "text": "prompt", "token_ids.ids": "prompt", "token_ids": "tokens",
-              "chat.messages": "messages", "chat": "messages"}
+              "chat.messages": "messages", "chat.continue_final_message": "continue_final_message",
+              "chat.template_kwargs": "chat_template_kwargs", "chat": "messages"}
 # ... and as a chat client names them: top_logprobs is what it asks for logprobs with.
 CHAT_NAMES = HTTP_NAMES | {"params.logprobs": "top_logprobs"}
 
@@ -407,10 +408,6 @@ def _refuse_unsupported(body: dict, *, chat: bool) -> None:
     if body_field(body, "chat_template", (str,)):
         raise HttpError(400, "chat_template is not supported: every chat is rendered with the served model's "
                         "own template", "chat_template")
-    if body_field(body, "continue_final_message", (bool,), False):
-        raise HttpError(400, "continue_final_message is not supported: the last message is rendered as a "
-                        "finished turn (leave it out, or end the prompt with /v1/completions)",
-                        "continue_final_message")
 
 
 def tokenize_request(body: dict) -> pb.TokenizeRequest:
@@ -423,13 +420,12 @@ def tokenize_request(body: dict) -> pb.TokenizeRequest:
         raise HttpError(400, "give one of prompt (a text) and messages (a chat) to tokenize, "
                              f"not {' and '.join(given) or 'neither'}", "prompt")
     if given == ["prompt"]:
-        for name in ("add_generation_prompt", "tools"):
+        for name in ("add_generation_prompt", "tools", "continue_final_message", "chat_template_kwargs"):
             if body.get(name) is not None:
                 raise HttpError(400, f"{name} applies to messages, not to a prompt", name)
         tokenize.text = body_field(body, "prompt", (str,))
         return tokenize
     tokenize.chat.CopyFrom(chat_messages(body))
-    tokenize.chat.add_generation_prompt = body_field(body, "add_generation_prompt", (bool,), True)
     if (calling := tool_calls_of(body)) is not None:
         tokenize.chat.tools.extend(calling.tools)
     return tokenize
@@ -524,6 +520,20 @@ def chat_messages(body: dict) -> pb.ChatMessages:
         if not isinstance(call_id, str):
             raise HttpError(400, f"messages[{i}].tool_call_id must be a string", f"messages[{i}].tool_call_id")
         chat.messages.add(role=m["role"], content=content, tool_calls=calls, tool_call_id=call_id)
+    # vLLM's rendering fields: checked against each other and the template's own names by the
+    # gRPC API's rules (router.requests), which name them as sent.
+    chat.add_generation_prompt = body_field(body, "add_generation_prompt", (bool,), True)
+    chat.continue_final_message = body_field(body, "continue_final_message", (bool,), False)
+    kwargs = body_field(body, "chat_template_kwargs", (dict,))
+    if kwargs:
+        if json_depth(kwargs) > MAX_EXTRA_ARGS_DEPTH:
+            raise HttpError(400, f"chat_template_kwargs nests objects and lists more than {MAX_EXTRA_ARGS_DEPTH} "
+                            "deep", "chat_template_kwargs")
+        try:
+            chat.template_kwargs.update(kwargs)
+        except (OverflowError, ValueError, TypeError):
+            raise HttpError(400, "chat_template_kwargs must be a JSON object of JSON values (integers within "
+                            "a float64)", "chat_template_kwargs") from None
     return chat
 
 

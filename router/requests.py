@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import grpc
 
 from common import structured_output
-from common.convert import sampling_params_from_proto
+from common.convert import sampling_params_from_proto, struct_to_dict
 from common.pb import generation_pb2 as pb
 from common.sampling_params import InvalidRequest, SamplingParams, choice_seed
 from router.admission import reservation_tokens
@@ -282,6 +282,14 @@ def _json_or_text(text: str):
         return text
 
 
+# Template variables (and apply_chat_template's own arguments) a request's template_kwargs may
+# not set: the renderer sets them from the request's own fields.
+RENDERER_VARIABLES = frozenset({"messages", "conversation", "tools", "documents", "add_generation_prompt",
+                                "continue_final_message", "tokenize", "chat_template", "return_dict",
+                                "return_tensors", "padding", "truncation", "max_length", "tokenizer_kwargs",
+                                "return_assistant_tokens_mask"})
+
+
 def _chat_token_ids(chat: pb.ChatMessages, tokenizer: RouterTokenizer) -> list[int]:
     if not chat.messages:
         raise invalid_argument("chat.messages is empty: give at least one message", "chat.messages")
@@ -292,8 +300,22 @@ def _chat_token_ids(chat: pb.ChatMessages, tokenizer: RouterTokenizer) -> list[i
                                    f"chat.messages[{position}].role")
     add_generation_prompt = (chat.add_generation_prompt
                              if chat.HasField("add_generation_prompt") else True)
+    if chat.continue_final_message and add_generation_prompt:
+        raise invalid_argument("chat.continue_final_message continues the last message, so it needs "
+                               "add_generation_prompt false (which opens a new turn)", "chat.continue_final_message")
+    if chat.continue_final_message and chat.messages[-1].role != "assistant":
+        raise invalid_argument(f"chat.continue_final_message continues an assistant turn, but the last message's "
+                               f"role is {chat.messages[-1].role!r}", "chat.continue_final_message")
+    try:
+        template_kwargs = struct_to_dict(chat.template_kwargs, "chat.template_kwargs")
+    except InvalidRequest as error:
+        raise invalid_argument(str(error), error.field) from None
+    if reserved := sorted(RENDERER_VARIABLES & template_kwargs.keys()):
+        raise invalid_argument(f"chat.template_kwargs sets {', '.join(reserved)}, which the renderer sets itself "
+                               f"(give them as their own fields)", "chat.template_kwargs")
     try:
         return tokenizer.encode_chat([_template_message(m) for m in chat.messages], add_generation_prompt,
-                                     [_template_tool(t, i) for i, t in enumerate(chat.tools)] or None)
+                                     [_template_tool(t, i) for i, t in enumerate(chat.tools)] or None,
+                                     chat.continue_final_message, template_kwargs)
     except ChatTemplateError as error:
         raise invalid_argument(f"chat: {error}", "chat") from None

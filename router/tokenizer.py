@@ -61,15 +61,19 @@ class RouterTokenizer:
         return self.hf.backend_tokenizer.encode_batch([text], add_special_tokens=True)[0].ids
 
     def encode_chat(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None) -> list[int]:
+                    tools: list[dict] | None = None, continue_final_message: bool = False,
+                    template_kwargs: dict | None = None) -> list[int]:
         """Renders the conversation (and the `tools` it may call) with the chat template, then
         encodes it; raises ChatTemplateError when the model has no template or the template
-        refuses the chat."""
+        refuses the chat. `continue_final_message`: the last message is left open (transformers
+        cuts the rendering after its content); `template_kwargs`: more template variables."""
         if not self.has_chat_template:
             raise ChatTemplateError("the model has no chat template; send text or token_ids")
         try:
             prompt = self.hf.apply_chat_template(list(messages), tools=tools, tokenize=False,
-                                                 add_generation_prompt=add_generation_prompt)
+                                                 add_generation_prompt=add_generation_prompt,
+                                                 continue_final_message=continue_final_message,
+                                                 **(template_kwargs or {}))
         except Exception as error:  # jinja errors, including the template's raise_exception()
             message = f"the chat template cannot render this chat: {error}"
             raise ChatTemplateError(message) from error

@@ -5,6 +5,7 @@ the gRPC request); the HTTP server itself is specified in test_http_api.py."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 
 import grpc
@@ -173,7 +174,6 @@ def test_malformed_chat_message_is_400_naming_it(served, message, param):
     ({"functions": [{"name": "f"}]}, "functions"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"chat_template": "{{ messages }}"}, "chat_template"),
-    ({"continue_final_message": True, "add_generation_prompt": False}, "continue_final_message"),
 ])
 def test_unsupported_openai_feature_is_refused_not_ignored(served, extra, param):
     error = refusal({"model": MODEL, "messages": MESSAGES, "max_tokens": 2} | extra, served, chat=True)
@@ -352,6 +352,55 @@ def test_a_constraint_that_does_not_compile_is_400_naming_the_field_and_the_prob
     error = refusal({"model": MODEL, "messages": MESSAGES} | body, served, chat=True)
     assert error["status"] == 400 and error["param"] == param, error
     assert error["message"].startswith(f"{param} does not compile: ") and problem in error["message"]
+
+
+# ------------------------------------------------------------------ chat rendering (vLLM's fields)
+
+def chat_prompt(body: dict, served: ServedModel) -> str:
+    """The prompt a chat body renders to, decoded with its special tokens."""
+    [request] = generate_requests({"model": MODEL, "max_tokens": 2} | body, chat=True, request_id="r")
+    return served.tokenizer.decode(prepare_generate(request, served).prompt_token_ids, skip_special_tokens=False)
+
+
+PARTIAL = [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "My favourite is"}]
+
+
+def test_continue_final_message_leaves_the_assistant_turn_open(served):
+    continued = chat_prompt({"messages": PARTIAL, "continue_final_message": True, "add_generation_prompt": False},
+                            served)
+    closed = chat_prompt({"messages": PARTIAL, "add_generation_prompt": False}, served)
+    assert continued.endswith("My favourite is") and closed.startswith(continued) and closed != continued
+
+
+def test_add_generation_prompt_false_opens_no_new_turn(served):
+    with_turn = chat_prompt({"messages": MESSAGES}, served)
+    without = chat_prompt({"messages": MESSAGES, "add_generation_prompt": False}, served)
+    assert with_turn.startswith(without) and with_turn[len(without):].strip() == "<|im_start|>assistant"
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    ({"messages": PARTIAL, "continue_final_message": True}, "needs add_generation_prompt false"),
+    ({"messages": MESSAGES, "continue_final_message": True, "add_generation_prompt": False},
+     "the last message's role is 'user'"),
+], ids=["with-a-new-turn", "after-a-user-turn"])
+def test_continue_final_message_that_cannot_continue_is_400_naming_it(served, body, message):
+    error = refusal({"model": MODEL} | body, served, chat=True)
+    assert (error["status"], error["param"]) == (400, "continue_final_message") and message in error["message"]
+
+
+def test_chat_template_kwargs_reach_the_template(smollm_tokenizer):
+    hf = copy.deepcopy(smollm_tokenizer)
+    hf.chat_template = "{% if enable_thinking %}<think>{% endif %}{{ messages[0]['content'] }}"
+    served = ServedModel((MODEL,), 2048, vocab_size=49152, tokenizer=RouterTokenizer(hf))
+    assert chat_prompt({"messages": MESSAGES, "chat_template_kwargs": {"enable_thinking": True}}, served) == "<think>hi"
+    assert chat_prompt({"messages": MESSAGES, "chat_template_kwargs": {"enable_thinking": False}}, served) == "hi"
+
+
+@pytest.mark.parametrize("kwargs", [{"messages": []}, {"add_generation_prompt": False}, {"tools": []}])
+def test_chat_template_kwargs_may_not_set_what_the_renderer_sets(served, kwargs):
+    error = refusal({"model": MODEL, "messages": MESSAGES, "chat_template_kwargs": kwargs}, served, chat=True)
+    assert (error["status"], error["param"]) == (400, "chat_template_kwargs")
+    assert error["message"].startswith(f"chat_template_kwargs sets {next(iter(kwargs))}, which the renderer sets")
 
 
 # ------------------------------------------------------------------ logit bias and allowed ids
