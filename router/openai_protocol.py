@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
+from google.protobuf import struct_pb2
 
 from common.convert import MAX_EXTRA_ARGS_DEPTH, json_depth
 from common.pb import generation_pb2 as pb
@@ -294,16 +295,7 @@ def sampling_parameters(body: dict, *, chat: bool) -> pb.SamplingParameters:
     p.bad_words.extend(string_list(body_field(body, "bad_words", (list,), []), "bad_words"))
     p.logits_processors.extend(string_list(body_field(body, "logits_processors", (list,), []),
                                            "logits_processors"))
-    extra_args = body_field(body, "vllm_xargs", (dict,))       # vLLM's name for extra_args
-    if extra_args is not None:
-        if json_depth(extra_args) > MAX_EXTRA_ARGS_DEPTH:
-            raise HttpError(400, f"vllm_xargs nests objects and lists more than {MAX_EXTRA_ARGS_DEPTH} deep",
-                            "vllm_xargs")
-        try:
-            p.extra_args.update(extra_args)
-        except OverflowError:       # an integer past float64, which a Struct's numbers are
-            raise HttpError(400, "vllm_xargs holds an integer too large for a JSON number (a float64)",
-                            "vllm_xargs") from None
+    _fill_struct(p.extra_args, body, "vllm_xargs")       # vLLM's name for extra_args
     _refuse_unsupported(body, chat=chat)
     constraint = structured_output(body)
     if chat and (calling := tool_calls_of(body)) is not None and not calling.auto:
@@ -524,17 +516,22 @@ def chat_messages(body: dict) -> pb.ChatMessages:
     # gRPC API's rules (router.requests), which name them as sent.
     chat.add_generation_prompt = body_field(body, "add_generation_prompt", (bool,), True)
     chat.continue_final_message = body_field(body, "continue_final_message", (bool,), False)
-    kwargs = body_field(body, "chat_template_kwargs", (dict,))
-    if kwargs:
-        if json_depth(kwargs) > MAX_EXTRA_ARGS_DEPTH:
-            raise HttpError(400, f"chat_template_kwargs nests objects and lists more than {MAX_EXTRA_ARGS_DEPTH} "
-                            "deep", "chat_template_kwargs")
-        try:
-            chat.template_kwargs.update(kwargs)
-        except (OverflowError, ValueError, TypeError):
-            raise HttpError(400, "chat_template_kwargs must be a JSON object of JSON values (integers within "
-                            "a float64)", "chat_template_kwargs") from None
+    _fill_struct(chat.template_kwargs, body, "chat_template_kwargs")
     return chat
+
+
+def _fill_struct(struct: struct_pb2.Struct, body: dict, name: str) -> None:
+    """body[name], a JSON object, into a `google.protobuf.Struct` field; too deep a nesting or an
+    integer past a Struct's float64 numbers is a 400 naming the field."""
+    value = body_field(body, name, (dict,))
+    if value is None:
+        return
+    if json_depth(value) > MAX_EXTRA_ARGS_DEPTH:
+        raise HttpError(400, f"{name} nests objects and lists more than {MAX_EXTRA_ARGS_DEPTH} deep", name)
+    try:
+        struct.update(value)
+    except OverflowError:
+        raise HttpError(400, f"{name} holds an integer too large for a JSON number (a float64)", name) from None
 
 
 def _history_tool_calls(calls, name: str) -> list[pb.ToolCall]:
