@@ -509,10 +509,12 @@ def test_init_container_copies_the_model_folder_to_model_path_once(chart, tmp_pa
 
 
 def test_init_container_fills_the_volume_root_when_the_model_is_there(chart, tmp_path):
+    """Even on a new ext4 volume, whose root holds lost+found."""
     source, mount = model_image(tmp_path)
+    (mount / "lost+found").mkdir()
     done = run_init(init_script(chart, "/models"), source, mount, mount)
     assert done.returncode == 0, done.stderr
-    assert sorted(p.name for p in mount.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in mount.iterdir()) == ["config.json", "lost+found", "model.safetensors"]
 
 
 def test_init_container_copies_a_gguf_file_to_model_path(chart, tmp_path):
