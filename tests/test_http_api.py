@@ -266,6 +266,22 @@ def test_chat_without_max_tokens_is_not_cut_at_16_tokens(client, model):
     assert chat.choices[0].finish_reason == "stop" and chat.usage.completion_tokens > 16
 
 
+def test_a_chat_continuing_its_last_message_is_the_completion_of_that_rendered_prompt(router, client, model):
+    """vLLM's continue_final_message through the official client's extra_body: the prompt is the
+    chat rendered with the assistant turn left open (as /tokenize renders it), and the answer is
+    what a completion of that prompt gives."""
+    partial = [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "My favourite color is"}]
+    rendering = {"add_generation_prompt": False, "continue_final_message": True}
+    tokens = post(router, "/tokenize", {"model": model, "messages": partial} | rendering).json()["tokens"]
+    assert post(router, "/detokenize", {"model": model, "tokens": tokens}).json()["prompt"].endswith(
+        "My favourite color is")       # left open: no end of turn after it
+    completion = client.completions.create(model=model, prompt=tokens, max_tokens=8, temperature=0)
+    chat = client.chat.completions.create(model=model, messages=partial, max_tokens=8, temperature=0,
+                                          extra_body=rendering)
+    assert chat.usage.prompt_tokens == len(tokens)
+    assert chat.choices[0].message.content == completion.choices[0].text
+
+
 def test_a_chat_without_max_tokens_whose_choices_cannot_all_fit_is_400_naming_n(router, model):
     """Each choice of a chat without max_tokens reserves 1,024 output tokens; 128 choices of
     them are more than the worker's pool holds."""
