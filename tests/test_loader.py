@@ -31,6 +31,28 @@ def test_unsupported_architecture_named(tmp_path):
         config_from_hf(str(tmp_path))
 
 
+LLAMA_SHAPE = {"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+               "num_hidden_layers": 2, "num_attention_heads": 4}
+
+
+@pytest.mark.parametrize(("config", "message"), [
+    ([LLAMA_SHAPE], r"config.json must hold a JSON object \(a Hugging Face model config\), not list"),
+    ({k: v for k, v in LLAMA_SHAPE.items() if k != "num_attention_heads"},
+     r"config.json: num_attention_heads must be a positive integer, got None \(missing\)"),
+    (LLAMA_SHAPE | {"hidden_size": "32"}, r"config.json: hidden_size must be a positive integer, got '32'"),
+    (LLAMA_SHAPE | {"num_hidden_layers": 0}, r"config.json: num_hidden_layers must be a positive integer, got 0"),
+], ids=["a-list", "no-heads", "a-string-size", "no-layers"])
+def test_a_config_of_the_wrong_shape_is_refused_naming_the_field(tmp_path, config, message):
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=message):
+        config_from_hf(str(tmp_path))
+
+
+def test_architectures_given_as_one_string_are_read_as_a_list(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_SHAPE | {"architectures": "LlamaForCausalLM"}))
+    assert config_from_hf(str(tmp_path)).architecture == "LlamaForCausalLM"
+
+
 def test_corrupt_gguf_rejected_naming_the_file(tmp_path):
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(b"GGUF" + bytes(range(256)) * 10)

@@ -103,7 +103,20 @@ def config_from_hf(path: str) -> ModelConfig:
             raw = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise ModelLoadError(f"cannot read {file}: {e}") from e
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"{file} must hold a JSON object (a Hugging Face model config), not {type(raw).__name__}")
+
+    def size(key: str, default: int | None = None) -> int:
+        """A shape field: a positive integer, else a ModelLoadError naming it (not a KeyError
+        or TypeError from deep in the model's construction)."""
+        value = default if raw.get(key) is None else raw[key]      # null: as if left out
+        if not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+            raise ModelLoadError(f"{file}: {key} must be a positive integer, got {value!r}"
+                                 + (" (missing)" if raw.get(key) is None else ""))
+        return value
+
     archs = raw.get("architectures") or []
+    archs = [archs] if isinstance(archs, str) else archs
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     if not archs:   # a bare config names only its model type
         arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
@@ -114,15 +127,15 @@ def config_from_hf(path: str) -> ModelConfig:
     rope = raw.get("rope_parameters") or {}
     scaling = raw.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
     eos = raw.get("eos_token_id")
-    heads = raw["num_attention_heads"]
-    max_pos = raw.get("max_position_embeddings", 4096)
+    heads, hidden = size("num_attention_heads"), size("hidden_size")
+    max_pos = size("max_position_embeddings", 4096)
     if raw.get("sliding_window") and raw.get("use_sliding_window", arch == "MistralForCausalLM"):
         max_pos = min(max_pos, raw["sliding_window"])   # no sliding-window attention: stay within it
     cfg = ModelConfig(
-        architecture=arch, vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"],
-        intermediate_size=raw["intermediate_size"], num_layers=raw["num_hidden_layers"],
-        num_heads=heads, num_kv_heads=raw.get("num_key_value_heads", heads),
-        head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+        architecture=arch, vocab_size=size("vocab_size"), hidden_size=hidden,
+        intermediate_size=size("intermediate_size"), num_layers=size("num_hidden_layers"),
+        num_heads=heads, num_kv_heads=size("num_key_value_heads", heads),
+        head_dim=size("head_dim", hidden // heads),
         rms_norm_eps=raw.get("rms_norm_eps", 1e-5),
         rope_theta=raw.get("rope_theta", rope.get("rope_theta", 10000.0)), rope_scaling=scaling,
         max_position_embeddings=max_pos, tie_word_embeddings=raw.get("tie_word_embeddings", False),
